@@ -1,0 +1,51 @@
+"""fastload: make PyTorch image training stop waiting for data.
+
+Pack an image folder into LMDB/HDF5 shards (``fastload pack``), read them with a drop-in
+``ImageFolder`` and a fast ``DataLoader``, and feed the GPU with ``CUDAPrefetcher`` or DALI.
+
+Names that need torch are imported lazily, so ``import fastload`` (and the CLI) stays cheap
+and never imports DALI, h5py or jpeg4py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it (relative to this package)
+_LAZY = {
+    "DecodeError": ".errors",
+    "FastloadError": ".errors",
+    "FormatError": ".errors",
+    "Manifest": ".schema",
+    "PackError": ".errors",
+    "PackReader": ".storage",
+    "get_codec": ".codecs",
+    "make_image_folder": ".sample",
+    "open_pack": ".storage",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fastload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .codecs import get_codec
+    from .errors import DecodeError, FastloadError, FormatError, PackError
+    from .sample import make_image_folder
+    from .schema import Manifest
+    from .storage import PackReader, open_pack

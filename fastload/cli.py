@@ -1,0 +1,50 @@
+"""The ``fastload`` command line: argparse front-ends that call the library.
+
+Every user error (a FastloadError or an OSError) is printed as one line on stderr with a
+non-zero exit code; a traceback means a bug in fastload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import FastloadError
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastload", description="Fast image data loading for PyTorch.")
+    p.add_argument("--version", action="version", version=f"fastload {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Each sub-command module adds its own parser and a `run(args) -> int`.
+    from .commands import register_all
+
+    register_all(sub)
+    return p
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("fastload: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except FastloadError as exc:
+        print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"fastload {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

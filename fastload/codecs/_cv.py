@@ -1,0 +1,56 @@
+"""OpenCV encode/decode shared by the codecs that OpenCV handles (kept here once)."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+
+from ..errors import DecodeError
+
+cv2.setNumThreads(1)
+
+_HAS_RGB_FLAG = hasattr(cv2, "IMREAD_COLOR_RGB")
+# IMREAD_REDUCED_COLOR_{2,4,8} = 16/32/64 | IMREAD_COLOR; combined with IMREAD_COLOR_RGB they
+# decode straight to RGB with libjpeg's DCT-domain downscale.
+_REDUCE_BITS = {1: 0, 2: 16, 4: 32, 8: 64}
+
+
+def as_u8(buf) -> np.ndarray:
+    """A zero-copy uint8 view over any buffer (bytes, memoryview from LMDB, memmap slice)."""
+    if isinstance(buf, np.ndarray):
+        return buf if buf.dtype == np.uint8 else buf.view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
+    """Decode any OpenCV-readable image to HWC uint8 RGB (EXIF orientation applied)."""
+    if reduce not in _REDUCE_BITS:
+        raise ValueError(f"reduce must be one of 1, 2, 4, 8, got {reduce}")
+    arr = as_u8(buf)
+    if _HAS_RGB_FLAG:
+        flags = cv2.IMREAD_COLOR_RGB | _REDUCE_BITS[reduce]
+        img = cv2.imdecode(arr, flags)
+    else:  # pragma: no cover - OpenCV < 4.10
+        img = cv2.imdecode(arr, cv2.IMREAD_COLOR | _REDUCE_BITS[reduce])
+        if img is not None:
+            img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    if img is None:
+        raise DecodeError(f"OpenCV could not decode a {arr.size}-byte payload (corrupt or not an image)")
+    return img
+
+
+def imencode_rgb(img: np.ndarray, ext: str, params: list[int] | None = None) -> bytes:
+    """Encode an HWC uint8 RGB array with OpenCV (which expects BGR)."""
+    check_rgb(img)
+    ok, out = cv2.imencode(ext, cv2.cvtColor(img, cv2.COLOR_RGB2BGR), params or [])
+    if not ok:
+        raise ValueError(f"OpenCV failed to encode a {img.shape} image as {ext}")
+    return out.tobytes()
+
+
+def check_rgb(img: np.ndarray) -> None:
+    if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(
+            f"expected an HWC uint8 RGB array, got {getattr(img, 'dtype', type(img))} "
+            f"{getattr(img, 'shape', '')}"
+        )

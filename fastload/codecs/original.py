@@ -1,0 +1,24 @@
+"""Original payload: the source file's bytes, untouched (any format OpenCV or PIL reads)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import DecodeError
+from ..image import load_source
+from ._cv import as_u8, imdecode_rgb
+
+NAME = "original"
+LOSSLESS = False  # lossless w.r.t. the source file, but pixels depend on the decoder
+
+
+def encode(img: np.ndarray) -> bytes:  # pragma: no cover - packing copies bytes instead
+    raise TypeError("the 'original' payload stores source bytes; it has no encoder")
+
+
+def decode(buf, *, shape=None, reduce: int = 1, **_) -> np.ndarray:
+    """Decode with OpenCV; fall back to PIL for what OpenCV cannot read (CMYK oddities, GIF...)."""
+    try:
+        return imdecode_rgb(buf, reduce=reduce)
+    except DecodeError:
+        return load_source(bytes(as_u8(buf)), name="<original payload>")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs fastload and everything it needs on a fresh Debian/Ubuntu machine.
+#   bash tools/install.sh          # the package, its runtime deps, DALI (CPU pipelines work without a GPU)
+#   bash tools/install.sh --test   # the same plus the test dependencies
+# Safe to rerun: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="dali"
+[ "${1:-}" = "--test" ] && extras="dali,test"
+
+# jpeg4py needs libjpeg-turbo's shared library (Debian: libturbojpeg0).
+if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "[install] apt-get install libturbojpeg0"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libturbojpeg0 >/dev/null
+    else
+        echo "[install] warning: libturbojpeg not found and cannot apt-get it; jpeg4py decoding will be unavailable" >&2
+    fi
+fi
+
+py=${PYTHON:-python3}
+# Never let pip resolve an unpinned torch (it would pull GBs of CUDA wheels on a CPU box):
+# keep the torch that is installed (a GPU user's CUDA build), else install the pinned CPU build.
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    echo "[install] pip install torch==2.13.0"
+    "$py" -m pip install -q torch==2.13.0
+fi
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$py" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+
+echo "[install] pip install -e .[$extras]"
+"$py" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[$extras]"
