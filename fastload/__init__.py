@@ -16,9 +16,12 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (relative to this package)
 _LAZY = {
+    "CUDAPrefetcher": ".gpu.prefetcher",
+    "DataLoader": ".data.loader",
     "DecodeError": ".errors",
     "FastloadError": ".errors",
     "FormatError": ".errors",
+    "ImageFolder": ".data.dataset",
     "Manifest": ".schema",
     "PackError": ".errors",
     "PackReader": ".storage",
@@ -27,10 +30,17 @@ _LAZY = {
     "open_pack": ".storage",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+# Public submodules, also imported on first attribute access (``fastload.transforms``).
+_SUBMODULES = ("dali", "train", "transforms")
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+        globals()[name] = value
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'fastload' has no attribute {name!r}")
@@ -44,7 +54,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import dali, train, transforms
     from .codecs import get_codec
+    from .data.dataset import ImageFolder
+    from .data.loader import DataLoader
+    from .gpu.prefetcher import CUDAPrefetcher
     from .errors import DecodeError, FastloadError, FormatError, PackError
     from .sample import make_image_folder
     from .schema import Manifest
