@@ -1,0 +1,521 @@
+"""The converter: scan -> slice -> load -> pre-resize -> encode -> write, as small stages.
+
+Workers (a process pool) read, decode, resize and encode; the main process writes records in
+input order, so the output is byte-identical for any number of workers. Shards appear under
+their final names only when complete, a journal records finished shards so an interrupted
+run resumes, and the manifest is written last: a DEST without one is never complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import OnError, PackConfig
+from .errors import DecodeError, PackError
+from .scan import SourceListing, list_source, scan_source
+from .schema import (
+    FORMAT_VERSION,
+    Manifest,
+    ShardEntry,
+    SkippedInput,
+    manifest_name,
+    part_prefix,
+    shard_name,
+    write_manifest,
+)
+
+__all__ = ["PackSummary", "pack", "scan_source", "journal_name"]
+
+log = logging.getLogger("fastload.pack")
+
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_DISK_FULL_TEXT = ("no space left", "file too large", "quota exceeded")
+
+
+@dataclass(frozen=True)
+class PackSummary:
+    """What one ``pack`` run produced."""
+
+    packed: int
+    skipped: int
+    bytes: int
+    seconds: float
+    dest: Path
+    manifest: Path
+    shards: int = 0
+    resumed_from: int = 0  # inputs taken over from an interrupted run
+
+    @property
+    def images_per_s(self) -> float:
+        return self.packed / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """The one-line summary the CLI prints."""
+        return (
+            f"packed {self.packed} images ({self.skipped} skipped) into {self.shards} shard"
+            f"{'' if self.shards == 1 else 's'}, {_human(self.bytes)} in {self.seconds:.1f} s "
+            f"({self.images_per_s:.0f} images/s) -> {self.dest}"
+        )
+
+
+def journal_name(part: int, parts: int) -> str:
+    """The resume journal of one part (a hidden file; readers ignore it)."""
+    return ".fastload-pack.json" if parts == 1 else f".fastload-pack-p{part:05d}-of-{parts:05d}.json"
+
+
+# ---------------------------------------------------------------------------- worker stage
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """What a worker needs to turn one source file into a payload (pickled per chunk: small)."""
+
+    base: str
+    payload: str
+    quality: int
+    resize: int | None
+    size: tuple[int, int] | None
+
+
+def _process(enc: _Encoding, relpath: str) -> tuple[bytes | None, tuple[int, int, int] | str]:
+    """Read, decode, resize, encode one input: ``(payload, shape)`` or ``(None, reason)``."""
+    try:
+        with open(os.path.join(enc.base, relpath), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, "file not found"
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror or exc})"
+    try:
+        img = _load(enc, data, relpath)
+    except DecodeError as exc:
+        return None, str(exc).removeprefix(f"{relpath}: ")
+    if enc.payload == "original":
+        return data, img.shape
+    from .codecs import get_codec
+
+    codec = get_codec(enc.payload)
+    out = codec.encode(img, quality=enc.quality) if enc.payload == "jpeg" else codec.encode(img)
+    return out, img.shape
+
+
+def _load(enc: _Encoding, data: bytes, relpath: str) -> np.ndarray:
+    from .image import load_source, resize_center_crop, resize_shorter
+
+    img = load_source(data, name=relpath)
+    if enc.resize is not None:
+        img = resize_shorter(img, enc.resize)
+    elif enc.size is not None:
+        img = resize_center_crop(img, enc.size)
+    return np.ascontiguousarray(img)
+
+
+def _init_worker() -> None:
+    # Ctrl-C reaches the whole process group; only the main process handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Feeder:
+    """Hands tasks to ``Pool.imap`` at most ``window`` ahead of the writer, so results
+    cannot pile up in memory when writing is slower than encoding."""
+
+    def __init__(self, items, window: int):
+        self._items = items
+        self._sem = threading.Semaphore(window)
+        self._stop = False
+
+    def __iter__(self):
+        for item in self._items:
+            self._sem.acquire()
+            if self._stop:
+                return
+            yield item
+
+    def consumed(self) -> None:
+        self._sem.release()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._sem.release()
+
+
+# ---------------------------------------------------------------------------- destination
+
+
+def _own_patterns(part: int, parts: int) -> list[re.Pattern]:
+    pre = re.escape(part_prefix(part, parts))
+    tail = r"(\.tmp|\.blob\.tmp|\.tmp-lock)?"
+    return [
+        re.compile(rf"^{pre}shard-\d{{5}}\.(lmdb|h5){tail}$"),
+        re.compile(rf"^{re.escape(manifest_name(part, parts))}(\.tmp)?$"),
+        re.compile(rf"^{re.escape(journal_name(part, parts))}(\.tmp)?$"),
+    ]
+
+
+def _sibling_patterns(parts: int) -> list[re.Pattern]:
+    """Files other parts of the same ``--part I/N`` set may put in DEST."""
+    if parts == 1:
+        return []
+    n = f"{parts:05d}"
+    tail = r"(\.tmp|\.blob\.tmp|\.tmp-lock)?"
+    return [
+        re.compile(rf"^p\d{{5}}-of-{n}-shard-\d{{5}}\.(lmdb|h5){tail}$"),
+        re.compile(rf"^manifest-p\d{{5}}-of-{n}\.json(\.tmp)?$"),
+        re.compile(rf"^\.fastload-pack-p\d{{5}}-of-{n}\.json(\.tmp)?$"),
+    ]
+
+
+_ANY_FASTLOAD = [
+    re.compile(r"^(p\d{5}-of-\d{5}-)?shard-\d{5}\.(lmdb|h5)(\.tmp|\.blob\.tmp|\.tmp-lock)?$"),
+    re.compile(r"^manifest(-p\d{5}-of-\d{5})?\.json(\.tmp)?$"),
+    re.compile(r"^\.fastload-pack(-p\d{5}-of-\d{5})?\.json(\.tmp)?$"),
+]
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(p.match(name) for p in patterns)
+
+
+def _remove(paths) -> None:
+    for p in paths:
+        Path(p).unlink(missing_ok=True)
+
+
+def _prepare_dest(dest: Path, cfg: PackConfig, key: str) -> dict | None:
+    """Make DEST ready; returns the journal to resume from, or None for a fresh start."""
+    if dest.exists() and not dest.is_dir():
+        raise PackError(f"{dest}: destination exists and is not a directory")
+    dest.mkdir(parents=True, exist_ok=True)
+    own = _own_patterns(cfg.part, cfg.parts)
+    siblings = _sibling_patterns(cfg.parts)
+    names = sorted(os.listdir(dest))
+    mine = [n for n in names if _matches(n, own)]
+    foreign = [n for n in names if not _matches(n, own) and not _matches(n, siblings)]
+    if cfg.overwrite:
+        # Remove our own files and fastload files that cannot belong to the same pack; never
+        # anything else (DEST may be a folder the user keeps other things in).
+        _remove(dest / n for n in mine + [f for f in foreign if _matches(f, _ANY_FASTLOAD)])
+        return None
+    mname = manifest_name(cfg.part, cfg.parts)
+    if mname in names:
+        raise PackError(
+            f"{dest}: already holds a finished pack ({mname}); use --overwrite to replace it"
+        )
+    if foreign:
+        raise PackError(
+            f"{dest}: destination is not empty ({len(foreign)} other entr{'y' if len(foreign) == 1 else 'ies'}, "
+            f"e.g. {foreign[0]!r}); use --overwrite or an empty folder"
+        )
+    jpath = dest / journal_name(cfg.part, cfg.parts)
+    journal = _read_journal(jpath)
+    if journal is None:
+        if any(not n.endswith((".tmp", ".tmp-lock")) for n in mine):
+            raise PackError(
+                f"{dest}: holds shards of an unknown earlier pack (no journal); use --overwrite"
+            )
+        _remove(dest / n for n in mine)
+        return None
+    if journal.get("key") != key:
+        log.warning("%s: the unfinished pack there used other options or another source; restarting", dest)
+        _remove(dest / n for n in mine)
+        return None
+    return _validate_resume(dest, journal, mine, jpath.name)
+
+
+def _read_journal(path: Path) -> dict | None:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"key": None}  # unreadable journal: treated as a mismatch (restart)
+    return d if isinstance(d, dict) else {"key": None}
+
+
+def _validate_resume(dest: Path, journal: dict, mine: list[str], jname: str) -> dict | None:
+    """Keep the journal's finished shards whose bytes still match; drop everything after."""
+    from .storage.base import file_sha256
+
+    try:
+        entries = [ShardEntry(**e) for e in journal["shards"]]
+        ends = [int(x) for x in journal["ends"]]
+        skipped = [(int(pos), SkippedInput(**s)) for pos, s in journal["skipped"]]
+        shapes = journal["shapes"]
+    except (KeyError, TypeError, ValueError):
+        log.warning("%s: unreadable pack journal; restarting", dest)
+        _remove(dest / n for n in mine)
+        return None
+    good = 0
+    for e in entries:
+        p = dest / e.file
+        if not p.is_file() or p.stat().st_size != e.bytes or file_sha256(p) != e.sha256:
+            break
+        good += 1
+    keep = {e.file for e in entries[:good]} | {jname}
+    _remove(dest / n for n in mine if n not in keep)
+    end = ends[good - 1] if good else 0
+    return {
+        "shards": entries[:good],
+        "ends": ends[:good],
+        "skipped": [(pos, s) for pos, s in skipped if pos < end],
+        "shapes": shapes[:good],
+        "position": end,
+    }
+
+
+def _write_journal(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
+    """A hash of everything that determines the output: options, classes and the listing."""
+    h = hashlib.sha256()
+    head = {
+        "version": FORMAT_VERSION,
+        "backend": cfg.backend,
+        "payload": cfg.payload,
+        "options": cfg.output_options(),
+        "part": cfg.part,
+        "parts": cfg.parts,
+        "classes": list(listing.classes),
+        "base": str(listing.base.resolve()),
+    }
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for p in listing.relpaths:
+        h.update(p.encode("utf-8", "surrogateescape") + b"\0")
+    h.update(np.ascontiguousarray(listing.labels, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- the pack run
+
+
+def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = None) -> PackSummary:
+    """Pack ``source`` (ImageFolder dir or CSV/TSV of path,label) into shards under ``dest``.
+
+    Rerunning the same call after an interruption resumes from the last finished shard; the
+    result is byte-identical to an uninterrupted run, for any ``config.workers``.
+    """
+    cfg = config or PackConfig()
+    t0 = time.perf_counter()
+    dest = Path(dest)
+    listing = list_source(source)
+    n = len(listing)
+    if n == 0:
+        raise PackError(f"{source}: no images found")
+    start, stop = cfg.part * n // cfg.parts, (cfg.part + 1) * n // cfg.parts
+    key = _source_key(cfg, listing)
+    resume = _prepare_dest(dest, cfg, key)
+    run = _PackRun(cfg, listing, dest, key, start, stop, resume)
+    run.execute()
+    seconds = time.perf_counter() - t0
+    return PackSummary(
+        packed=run.packed,
+        skipped=len(run.skipped),
+        bytes=sum(e.bytes for e in run.entries),
+        seconds=seconds,
+        dest=dest,
+        manifest=dest / manifest_name(cfg.part, cfg.parts),
+        shards=len(run.entries),
+        resumed_from=run.resumed_from,
+    )
+
+
+class _PackRun:
+    """State of one pack run: the current shard writer, finished entries and the journal."""
+
+    def __init__(self, cfg, listing: SourceListing, dest: Path, key: str, start: int, stop: int, resume):
+        self.cfg, self.listing, self.dest, self.key = cfg, listing, dest, key
+        self.start, self.stop = start, stop
+        self.jpath = dest / journal_name(cfg.part, cfg.parts)
+        self.entries: list[ShardEntry] = list(resume["shards"]) if resume else []
+        self.ends: list[int] = list(resume["ends"]) if resume else []
+        self.skipped: list[tuple[int, SkippedInput]] = list(resume["skipped"]) if resume else []
+        self.shapes: list = list(resume["shapes"]) if resume else []  # per shard: [h,w,c] | "mixed" | None
+        self.position = resume["position"] if resume else 0  # inputs of the slice consumed
+        self.resumed_from = self.position
+        self.packed = sum(e.num_samples for e in self.entries)
+        self.writer = None
+        self.writer_shape = None  # common shape of the current shard, "mixed", or None if empty
+
+    # -- journal / shards
+
+    def _journal(self) -> None:
+        _write_journal(
+            self.jpath,
+            {
+                "name": self.jpath.name,
+                "key": self.key,
+                "shards": [e.__dict__ for e in self.entries],
+                "ends": self.ends,
+                "skipped": [[pos, s.__dict__] for pos, s in self.skipped],
+                "shapes": self.shapes,
+            },
+        )
+
+    def _open_writer(self) -> None:
+        from .storage import make_shard_writer
+
+        name = shard_name(self.cfg.backend, self.cfg.part, self.cfg.parts, len(self.entries))
+        self.writer = make_shard_writer(self.cfg.backend, self.dest / name, shard_size=self.cfg.shard_size)
+        self.writer_shape = None
+
+    def _finish_shard(self) -> None:
+        entry = self.writer.finish()
+        self.writer = None
+        self.entries.append(entry)
+        self.ends.append(self.position)
+        self.shapes.append(self.writer_shape)
+        self._journal()
+
+    def _abort_writer(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.abort()
+            finally:
+                self.writer = None
+
+    # -- main loop
+
+    def execute(self) -> None:
+        try:
+            self._journal()
+            self._loop()
+            if self.writer is not None and len(self.writer):
+                self._finish_shard()
+            if self.packed == 0 and self.skipped:
+                raise PackError(
+                    f"{self.listing.base}: none of the {len(self.skipped)} inputs could be read "
+                    f"(first: {self.skipped[0][1].path}: {self.skipped[0][1].reason})"
+                )
+            write_manifest(self.dest / manifest_name(self.cfg.part, self.cfg.parts), self._manifest())
+            self.jpath.unlink(missing_ok=True)
+        except BaseException as exc:
+            self._abort_writer()
+            if isinstance(exc, Exception) and not isinstance(exc, PackError) and _is_disk_full(exc):
+                why = getattr(exc, "strerror", None) or exc
+                raise PackError(
+                    f"{self.dest}: disk full while writing ({why}); free space and "
+                    "rerun the same command to resume"
+                ) from None
+            raise
+
+    def _loop(self) -> None:
+        cfg, listing = self.cfg, self.listing
+        enc = _Encoding(
+            base=str(listing.base), payload=cfg.payload, quality=cfg.quality,
+            resize=cfg.resize, size=cfg.size,
+        )
+        first = self.start + self.position
+        relpaths = listing.relpaths[first : self.stop]
+        labels = listing.labels[first : self.stop]
+        todo = len(relpaths)
+        workers = min(cfg.workers or os.cpu_count() or 1, max(1, todo))
+        fn = functools.partial(_process, enc)
+        bar = _progress(cfg, total=self.stop - self.start, initial=self.position)
+        pool = feeder = None
+        try:
+            if workers <= 1:
+                results = map(fn, relpaths)
+            else:
+                chunk = max(1, min(16, todo // (workers * 8)))
+                feeder = _Feeder(relpaths, window=workers * chunk * 8)
+                pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker)
+                results = pool.imap(fn, feeder, chunksize=chunk)
+            for relpath, label, (payload, info) in zip(relpaths, labels, results):
+                if feeder is not None:
+                    feeder.consumed()
+                self._take(relpath, int(label), payload, info)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if feeder is not None:
+                feeder.stop()
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+
+    def _take(self, relpath: str, label: int, payload: bytes | None, info) -> None:
+        pos = self.position
+        if payload is None:
+            if self.cfg.on_error is OnError.FAIL:
+                raise PackError(f"{self.listing.resolve(relpath)}: {info}")
+            log.warning("skipped %s: %s", relpath, info)
+            self.skipped.append((pos, SkippedInput(path=relpath, reason=str(info))))
+            self.position = pos + 1
+            return
+        if self.writer is None:
+            self._open_writer()
+        shape = tuple(int(s) for s in info)
+        self.writer.append(payload, label=label, shape=shape, path=relpath)
+        if self.writer_shape is None:
+            self.writer_shape = list(shape)
+        elif self.writer_shape != "mixed" and self.writer_shape != list(shape):
+            self.writer_shape = "mixed"
+        self.packed += 1
+        self.position = pos + 1
+        if self.writer.payload_bytes >= self.cfg.shard_size:
+            self._finish_shard()
+
+    def _manifest(self) -> Manifest:
+        image_shape = None
+        if self.shapes and isinstance(self.shapes[0], list) and all(s == self.shapes[0] for s in self.shapes):
+            image_shape = tuple(self.shapes[0])
+        return Manifest(
+            backend=self.cfg.backend,
+            payload=self.cfg.payload,
+            num_samples=self.packed,
+            classes=tuple(self.listing.classes),
+            shards=tuple(self.entries),
+            image_shape=image_shape,
+            options=self.cfg.output_options(),
+            skipped=tuple(s for _, s in self.skipped),
+            part=self.cfg.part,
+            parts=self.cfg.parts,
+            source_count=len(self.listing),
+        )
+
+
+def _progress(cfg: PackConfig, *, total: int, initial: int):
+    if not cfg.progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="img", desc="packing", file=sys.stderr, smoothing=0.1)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return True
+    text = str(exc).lower()
+    return any(t in text for t in _DISK_FULL_TEXT)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
