@@ -1,0 +1,302 @@
+"""CUDAPrefetcher: the CPU path for real here; the CUDA path in tests marked ``cuda``."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fastload.gpu.prefetcher import CUDAPrefetcher
+from fastload.gpu.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+
+MEAN = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+STD = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+
+def _images(i: int, n: int = 4, h: int = 6, w: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, generator=g)
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    return (x.double() / 255 - MEAN.double()) / STD.double()
+
+
+class StatefulLoader:
+    """A loader with the fastload DataLoader's surface: len, set_epoch, state_dict."""
+
+    def __init__(self, n: int = 6):
+        self.n = n
+        self.epoch = 0
+        self.pos = 0
+        self.live_threads: list[threading.Thread] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.pos = 0
+        for i in range(self.n):
+            self.pos = i + 1
+            yield _images(1000 * self.epoch + i), torch.full((4,), 1000 * self.epoch + i, dtype=torch.int64)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "fastload-prefetch"]
+
+
+def test_cpu_path_normalises_and_keeps_order():
+    batches = [(_images(i), torch.arange(4) + i) for i in range(5)]
+    p = CUDAPrefetcher(batches, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    assert p.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    out = list(CUDAPrefetcher(batches, "cpu", mean=IMAGENET_MEAN, std=IMAGENET_STD))
+    assert len(out) == 5
+    for (x, y), (xo, yo) in zip(batches, out):
+        assert xo.dtype == torch.float32 and xo.shape == x.shape
+        assert xo.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(xo.double(), _reference(x), atol=1e-5, rtol=0)
+        assert yo.dtype == torch.int64 and torch.equal(yo, y)
+
+
+def test_no_mean_std_scales_to_unit_range():
+    x = torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 3, 1, 1)
+    (out,) = list(CUDAPrefetcher([x], "cpu", channels_last=False))
+    assert out.flatten().tolist() == pytest.approx([0.0, 0.2, 1.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes(dtype):
+    x = _images(3)
+    (out,) = list(CUDAPrefetcher([x], "cpu", mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype))
+    assert out.dtype == dtype
+    # float32 arithmetic then one rounding: within half an ulp of the exact result.
+    ref = _reference(x).to(dtype)
+    assert torch.equal(out, ref) or (out.double() - ref.double()).abs().max() <= (ref.double().abs().max() * 2**-7)
+
+
+def test_nested_batches_tuple_list_dict_namedtuple():
+    Pair = collections.namedtuple("Pair", "image label")
+    batch = {
+        "img": _images(0),
+        "nested": [Pair(_images(1), torch.tensor([1, 2])), ("text", 7)],
+        "floats": torch.ones(2, 3, 4, 4),
+        "mask": torch.zeros(4, 3, 2, dtype=torch.uint8),  # 3-D uint8 counts as (C, H, W) images
+    }
+    (out,) = list(CUDAPrefetcher([batch], "cpu", channels_last=False))
+    assert set(out) == set(batch)
+    torch.testing.assert_close(out["img"], batch["img"].float() / 255)
+    pair = out["nested"][0]
+    assert isinstance(pair, Pair) and pair.image.dtype == torch.float32
+    assert torch.equal(pair.label, torch.tensor([1, 2]))
+    assert out["nested"][1] == ("text", 7)
+    assert isinstance(out["nested"], list) and isinstance(out["nested"][1], tuple)
+    assert out["floats"].dtype == torch.float32 and torch.equal(out["floats"], batch["floats"])
+    assert out["mask"].dtype == torch.float32
+
+
+def test_reiteration_and_set_epoch_passthrough():
+    loader = StatefulLoader(n=3)
+    p = CUDAPrefetcher(loader, "cpu")
+    assert len(p) == 3
+    seen = []
+    for epoch in range(3):
+        p.set_epoch(epoch)
+        seen.append([int(y[0]) for _, y in p])
+    assert seen == [[0, 1, 2], [1000, 1001, 1002], [2000, 2001, 2002]]
+    assert not _prefetch_threads()
+
+
+def test_set_epoch_reaches_a_torch_sampler():
+    ds = torch.utils.data.TensorDataset(torch.arange(8))
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)
+    p = CUDAPrefetcher(torch.utils.data.DataLoader(ds, batch_size=2, sampler=sampler), "cpu")
+    p.set_epoch(5)
+    assert sampler.epoch == 5
+    with pytest.raises(AttributeError, match="set_epoch"):
+        CUDAPrefetcher([1, 2], "cpu").set_epoch(1)
+
+
+def test_state_dict_describes_consumed_batches_not_prefetched_ones():
+    loader = StatefulLoader(n=6)
+    p = CUDAPrefetcher(loader, "cpu", depth=3)
+    assert p.state_dict() == {"epoch": 0, "pos": 0}
+    it = iter(p)
+    next(it)
+    next(it)
+    deadline = time.monotonic() + 10
+    while loader.pos < 5 and time.monotonic() < deadline:  # the thread runs ahead...
+        time.sleep(0.01)
+    assert loader.pos >= 5
+    assert p.state_dict() == {"epoch": 0, "pos": 2}  # ...but the state is what we consumed
+    it.close()
+    assert p.state_dict() == {"epoch": 0, "pos": 2}
+    p.load_state_dict({"epoch": 4, "pos": 1})
+    assert loader.epoch == 4 and p.state_dict() == {"epoch": 4, "pos": 1}
+
+
+def test_early_break_stops_the_thread_and_the_loader():
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield _images(i)
+            i += 1
+
+    p = CUDAPrefetcher(endless(), "cpu", depth=2)
+    for i, _ in enumerate(p):
+        if i == 3:
+            break
+    gc.collect()
+    assert not _prefetch_threads()
+    n = len(produced)
+    time.sleep(0.2)
+    assert len(produced) == n  # nothing runs any more
+    assert n <= 4 + 2 + 1  # consumed + queue depth + the one being put
+
+
+def test_loader_exception_surfaces_in_the_consumer():
+    def bad():
+        yield _images(0)
+        raise RuntimeError("shard-00003.lmdb: record 17 is corrupt")
+
+    p = CUDAPrefetcher(bad(), "cpu")
+    it = iter(p)
+    assert next(it).shape == (4, 3, 6, 5)
+    with pytest.raises(RuntimeError, match="record 17 is corrupt"):
+        next(it)
+    gc.collect()
+    assert not _prefetch_threads()
+
+
+def test_over_plain_torch_dataloader_with_workers():
+    imgs = torch.randint(0, 256, (10, 3, 8, 8), dtype=torch.uint8)
+    ds = torch.utils.data.TensorDataset(imgs, torch.arange(10))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, shuffle=False)
+    p = CUDAPrefetcher(loader, "cpu", mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    for _ in range(2):  # two epochs
+        xs, ys = zip(*p)
+        assert [len(y) for y in ys] == [4, 4, 2]
+        torch.testing.assert_close(torch.cat(xs).double(), _reference(imgs), atol=1e-5, rtol=0)
+        assert torch.equal(torch.cat(ys), torch.arange(10))
+    # early break with live workers must not hang
+    for _ in p:
+        break
+    gc.collect()
+    assert not _prefetch_threads()
+
+
+def test_over_a_generator_and_len_error():
+    p = CUDAPrefetcher((_images(i) for i in range(3)), "cpu")
+    assert len(list(p)) == 3
+    with pytest.raises(TypeError):
+        len(p)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="depth"):
+        CUDAPrefetcher([], "cpu", depth=0)
+    with pytest.raises(ValueError, match="floating"):
+        CUDAPrefetcher([], "cpu", dtype=torch.int32)
+    with pytest.raises(ValueError, match="std"):
+        CUDAPrefetcher([], "cpu", std=(0.2, 0.0, 0.1))
+    with pytest.raises(ValueError, match="channels"):
+        list(CUDAPrefetcher([_images(0)], "cpu", mean=(0.1, 0.2)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            CUDAPrefetcher([], "cuda")
+
+
+# --- CUDA (skipped without a GPU; never faked) ----------------------------------------
+
+
+def _host_batches(n: int, size: int = 64):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 256, (32, 3, size, size), dtype=torch.uint8, generator=g), torch.randint(0, 1000, (32,), generator=g))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cuda_prefetch_equals_synchronous_conversion_bit_for_bit(dtype):
+    batches = _host_batches(40)
+    p = CUDAPrefetcher(batches, "cuda", mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype, depth=3)
+    for epoch in range(2):
+        for (x, y), (xo, yo) in zip(batches, p, strict=True):
+            # Heavy work on the consumer stream: a missing wait or a reused buffer would show.
+            a = torch.randn(2048, 2048, device="cuda")
+            for _ in range(3):
+                a = a @ a
+                a = a / a.norm()
+            ref = normalize(x.cuda(), mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype, channels_last=True)
+            assert xo.is_cuda and xo.dtype == dtype
+            assert xo.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(xo, ref)
+            assert torch.equal(yo.cpu(), y)
+
+
+@pytest.mark.cuda
+def test_cuda_buffer_lifetime_old_batches_stay_intact():
+    batches = _host_batches(30, size=32)
+    p = CUDAPrefetcher(batches, "cuda", channels_last=False, depth=2)
+    kept, sums = [], []
+    for x, _ in p:
+        kept.append(x)
+        sums.append(x.double().sum().item())
+        torch.cuda.empty_cache()  # invites the allocator to recycle anything not protected
+    torch.cuda.synchronize()
+    for x, s, (h, _) in zip(kept, sums, batches):
+        assert x.double().sum().item() == s
+        assert torch.equal(x.cpu(), h.float() / 255)
+
+
+@pytest.mark.cuda
+def test_cuda_no_memory_growth_over_epochs_and_early_break():
+    batches = _host_batches(20, size=32)
+    p = CUDAPrefetcher(batches, "cuda")
+    for _ in p:
+        pass
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    streams = list(p._streams)
+    for _ in range(5):
+        for i, (x, _) in enumerate(p):
+            if i == 7:
+                break
+        for _ in p:
+            pass
+    torch.cuda.synchronize()
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= base
+    assert p._streams == streams  # streams made once, not per epoch
+
+
+@pytest.mark.cuda
+def test_cuda_unpinned_and_pinned_inputs_and_state_passthrough():
+    loader = StatefulLoader(n=4)
+    p = CUDAPrefetcher(loader, "cuda", mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    it = iter(p)
+    x, y = next(it)
+    assert x.is_cuda and y.is_cuda and y.dtype == torch.int64
+    assert p.state_dict() == {"epoch": 0, "pos": 1}
+    it.close()
+    pinned = [(_images(0).pin_memory(), torch.arange(4).pin_memory())]
+    (xo, yo), = list(CUDAPrefetcher(pinned, "cuda", channels_last=False))
+    assert torch.equal(xo.cpu(), pinned[0][0].float() / 255)
