@@ -1,0 +1,99 @@
+"""Data for the training tests: scikit-learn's bundled 8x8 digits, packed by fastload.
+
+Nothing is downloaded: ``sklearn.datasets.load_digits`` ships with scikit-learn. Images are
+upsampled to 32x32 RGB and written as an ImageFolder tree of PNGs, then packed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+
+def write_digits_tree(root: Path, *, size: int = 32) -> tuple[Path, Path]:
+    """train/ and val/ ImageFolder trees (a fixed 75/25 split of the 1797 digits)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    imgs = (d.images / 16.0 * 255).round().astype(np.uint8)
+    order = np.random.default_rng(0).permutation(len(imgs))
+    n_train = len(imgs) * 3 // 4
+    for split, idx in (("train", order[:n_train]), ("val", order[n_train:])):
+        for i in idx:
+            big = cv2.resize(imgs[i], (size, size), interpolation=cv2.INTER_LINEAR)
+            rgb = np.repeat(big[:, :, None], 3, axis=2)
+            out = root / "src" / split / f"digit_{d.target[i]}" / f"{i:04d}.png"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cv2.imwrite(str(out), rgb)
+    return root / "src" / "train", root / "src" / "val"
+
+
+def pack_digits(root: Path, *, payload: str = "png") -> tuple[Path, Path]:
+    """Pack the digits tree with fastload; returns (train pack dir, val pack dir)."""
+    from fastload.config import PackConfig
+    from fastload.pack import pack
+
+    src_train, src_val = write_digits_tree(root)
+    cfg = PackConfig(payload=payload, workers=1, progress=False)
+    pack(src_train, root / "train", config=cfg)
+    pack(src_val, root / "val", config=cfg)
+    return root / "train", root / "val"
+
+
+def read_pack_tensors(pack_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """All images of a pack as one uint8 N x C x H x W tensor, and int64 labels (read via fastload)."""
+    from fastload.codecs import get_codec
+    from fastload.storage import open_pack
+
+    reader = open_pack(pack_dir)
+    codec = get_codec(reader.payload)
+    idx = reader.index
+    imgs = np.stack([codec.decode(reader.get(i), shape=tuple(idx.shapes[i])) for i in range(len(reader))])
+    reader.close()
+    x = torch.from_numpy(imgs).permute(0, 3, 1, 2).contiguous()
+    return x, torch.from_numpy(np.asarray(idx.labels, dtype=np.int64))
+
+
+class TensorBatches:
+    """A resumable, reshuffling batch iterable over in-memory tensors (the loader contract).
+
+    Same interface the Trainer uses from ``fastload.DataLoader``: ``len``, ``set_epoch``,
+    ``state_dict``/``load_state_dict`` (position in the epoch), and a per-rank shard.
+    """
+
+    def __init__(self, x, y, *, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1):
+        self.x, self.y, self.batch_size, self.seed, self.shuffle = x, y, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.pos = 0  # batches already yielded in this epoch
+
+    def _indices(self) -> torch.Tensor:
+        n = len(self.x)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
+        per_rank = n // self.world_size
+        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def __len__(self) -> int:
+        return -(-(len(self.x) // self.world_size) // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.pos = epoch, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+    def __iter__(self):
+        idx = self._indices()
+        while self.pos < len(self):
+            b = idx[self.pos * self.batch_size:(self.pos + 1) * self.batch_size]
+            self.pos += 1
+            yield self.x[b], self.y[b]
+        self.pos = 0
