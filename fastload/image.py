@@ -6,6 +6,7 @@ Everything returns HWC uint8 RGB numpy arrays; nothing here touches a pack.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import cv2
@@ -15,6 +16,8 @@ from .errors import DecodeError
 
 # Same list as torchvision.datasets.folder.IMG_EXTENSIONS, so a tree scans to the same samples.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+_ADDRESS_RE = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
 
 # OpenCV's worker threads fight with our process-level parallelism; one thread per process.
 cv2.setNumThreads(1)
@@ -40,8 +43,12 @@ def load_source(data: bytes, *, name: str = "<bytes>") -> np.ndarray:
             return _pil_to_rgb(img)
     except DecodeError:
         raise
+    except Image.UnidentifiedImageError:
+        raise DecodeError(f"{name}: not a readable image (unknown format or corrupt header)") from None
     except Exception as exc:  # PIL raises many types (OSError, SyntaxError, ValueError...)
-        raise DecodeError(f"{name}: not a readable image ({type(exc).__name__}: {exc})") from None
+        # Messages can embed object addresses; drop them so the same input gives the same text.
+        text = _ADDRESS_RE.sub("", f"{type(exc).__name__}: {exc}")
+        raise DecodeError(f"{name}: not a readable image ({text})") from None
 
 
 def _pil_to_rgb(img) -> np.ndarray:
