@@ -1,0 +1,346 @@
+"""``ImageFolder``: a map-style Dataset over a packed directory, a swap-in for torchvision's.
+
+Index data (labels, stored shapes) lives in numpy arrays and the record paths in one
+StringTable, so a dataset pickles small and DataLoader workers do not grow their memory by
+touching Python objects (copy-on-read). No file is opened until a worker reads a record; the
+shard readers reopen after fork.
+
+Fastload transforms (``fastload.transforms``) are planned from the stored shape before the
+record is decoded: that picks a DCT-domain downscaled JPEG decode when the crop is at least
+twice the output, and lets :meth:`ImageFolder.fill_batch` resize every crop straight into its
+slot of a batch buffer. Each sample's randomness comes from ``(seed, epoch, index)``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..codecs import get_codec
+from ..codecs import jpeg as _jpeg
+from ..errors import DecodeError, FastloadError, FormatError
+from ..storage import PackReader, open_pack
+from .transforms import Compose, Plan, as_compose, fixed_output_hw
+
+IMAGE_TYPES = ("numpy", "tensor", "pil")
+DECODERS = ("auto", "cv2", "simplejpeg", "jpeg4py", "pil")
+# Preference of decoder="auto" for JPEG payloads: simplejpeg was the fastest single-core decode
+# measured on the project's machines, then OpenCV (always present), then jpeg4py and PIL.
+_AUTO_ORDER = ("simplejpeg", "cv2", "jpeg4py", "pil")
+
+
+class SampleList(Sequence):
+    """``samples`` of an ImageFolder: ``(path, class_index)`` pairs built on access from the
+    pack's StringTable and label array (no list of tuples held in memory)."""
+
+    def __init__(self, dataset: ImageFolder):
+        self._ds = dataset
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self._ds.path(i), int(self._ds.targets[i])
+
+    def __repr__(self) -> str:
+        return f"<SampleList of {len(self)} (path, class_index) pairs>"
+
+
+class ImageFolder:
+    """A packed image folder (LMDB or HDF5, every ``--part``) as ``(image, target)`` samples.
+
+    Same ``classes``, ``class_to_idx``, ``targets`` and ``samples`` (same order) as
+    ``torchvision.datasets.ImageFolder`` on the source tree. ``targets`` is an int64 numpy
+    array (indexing and ``len`` work as on torchvision's list of ints). ``samples`` paths are
+    relative to the source root unless ``source_root`` is given.
+
+    ``image_type``: ``"numpy"`` (HWC uint8, fastest), ``"tensor"`` (CHW uint8 tensor view) or
+    ``"pil"`` (so an existing torchvision PIL pipeline runs unchanged). A fastload transform
+    runs on the numpy array before that conversion; any other callable runs after it.
+
+    ``decoder``: ``"auto"`` or one of cv2, simplejpeg, jpeg4py, pil (JPEG payloads);
+    :attr:`decoder` says which was chosen. ``in_memory=True`` copies the pack into
+    ``/dev/shm`` once per node and reads it from there (every worker and rank on the node
+    shares those pages; nothing is copied per worker).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        *,
+        image_type: str = "numpy",
+        decoder: str = "auto",
+        in_memory: bool = False,
+        seed: int = 0,
+        dct_reduce: bool = True,
+        source_root: str | Path | None = None,
+        check_files: bool = True,
+    ):
+        if image_type not in IMAGE_TYPES:
+            raise ValueError(f"image_type must be one of {', '.join(IMAGE_TYPES)}, got {image_type!r}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
+        self.root = Path(root)
+        self.in_memory = bool(in_memory)
+        pack_dir = _copy_to_shm(self.root) if in_memory else self.root
+        self.reader: PackReader = open_pack(pack_dir, check_files=check_files)
+        index = self.reader.index
+        self._labels = np.ascontiguousarray(index.labels, dtype=np.int64)
+        self._shapes = np.ascontiguousarray(index.shapes, dtype=np.int32)
+        self._paths = index.paths
+        self.reader.__dict__.pop("index", None)  # we keep the arrays; drop the reader's copy
+        self.classes: list[str] = list(self.reader.classes)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self.payload = self.reader.payload
+        self._codec = get_codec(self.payload)
+        self.decoder = self._pick_decoder(decoder)
+        self.transform = transform
+        self.target_transform = target_transform
+        self.image_type = image_type
+        self.seed = int(seed)
+        self.epoch = 0
+        self.dct_reduce = bool(dct_reduce) and self.payload in ("jpeg", "original")
+        self.source_root = None if source_root is None else str(source_root)
+        self._fast: Compose | None = as_compose(transform)
+        self.samples = SampleList(self)
+        self.imgs = self.samples  # torchvision alias
+
+    # -- torchvision-compatible surface -------------------------------------------------
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self._labels
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def path(self, i: int) -> str:
+        """Source path of record ``i`` (relative to the source root unless ``source_root``)."""
+        if self._paths is None:  # dropped when pickled; read again from the pack
+            self._paths = self.reader.index.paths
+            self.reader.__dict__.pop("index", None)
+        rel = self._paths[i]
+        return os.path.join(self.source_root, rel) if self.source_root else rel
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch that seeds augmentation (fastload's DataLoader passes it per batch)."""
+        self.epoch = int(epoch)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n}")
+        i = int(i) % n
+        img = self.load(i, epoch=self.epoch)
+        if self.image_type == "tensor" and isinstance(img, np.ndarray):
+            import torch
+
+            img = torch.from_numpy(img).permute(2, 0, 1)
+        elif self.image_type == "pil" and isinstance(img, np.ndarray):
+            from PIL import Image
+
+            img = Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img)
+        if self.transform is not None and self._fast is None:
+            img = self.transform(img)
+        return img, self._target(i)
+
+    def __repr__(self) -> str:
+        return (
+            f"fastload.ImageFolder({str(self.root)!r}, {len(self)} images, {len(self.classes)} classes, "
+            f"payload={self.payload}, backend={self.reader.backend}, decoder={self.decoder})"
+        )
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def _pick_decoder(self, decoder: str) -> str:
+        if self.payload == "raw":
+            if decoder not in ("auto",):
+                raise ValueError(f"{self.root}: raw payloads need no decoder (got decoder={decoder!r})")
+            return "none"
+        if self.payload in ("bmp", "png"):
+            if decoder not in ("auto", "cv2"):
+                raise ValueError(f"{self.root}: {self.payload} payloads are decoded with cv2 (got {decoder!r})")
+            return "cv2"
+        if self.payload == "original" and decoder == "auto":
+            return "cv2"  # applies EXIF orientation and reads every format; the others do not
+        if decoder != "auto":
+            _check_decoder(decoder)
+            return decoder
+        for name in _AUTO_ORDER:
+            try:
+                _check_decoder(name)
+                if len(self) and self.payload == "jpeg":
+                    _jpeg.decode(self.reader.get(0), backend=name)
+                return name
+            except Exception:
+                continue
+        return "cv2"  # pragma: no cover - cv2 always imports
+
+    def _rng(self, epoch: int, i: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, int(epoch), int(i), 0x5EED])
+
+    def stored_hw(self, i: int) -> tuple[int, int]:
+        s = self._shapes[i]
+        return int(s[0]), int(s[1])
+
+    def decode(self, i: int, *, reduce: int = 1) -> np.ndarray:
+        """Record ``i`` decoded to HWC uint8 RGB (a read-only view for raw payloads).
+
+        Errors name the shard file, the record in it and its source path.
+        """
+        buf = self.reader.get(i)
+        try:
+            if self.payload == "jpeg":
+                return _jpeg.decode(buf, backend=self.decoder, reduce=reduce)
+            if self.payload == "original":
+                return self._decode_original(buf, i, reduce)
+            return self._codec.decode(buf, shape=tuple(self._shapes[i]))
+        except Exception as exc:
+            k, j = self.reader.locate(i)
+            raise DecodeError(
+                f"{self.reader.shard_path(k)}: record {j} (dataset index {i}, source {self.path(i)!r}) "
+                f"could not be decoded as {self.payload}: {exc}"
+            ) from None
+
+    def _decode_original(self, buf, i: int, reduce: int) -> np.ndarray:
+        data = memoryview(buf)
+        if self.decoder != "cv2" and bytes(data[:2]) == b"\xff\xd8":
+            img = _jpeg.decode(buf, backend=self.decoder, reduce=reduce)
+            h, w = self.stored_hw(i)
+            # These decoders ignore EXIF orientation: a transposed result means the stored
+            # (oriented) shape differs, so let OpenCV apply the orientation instead.
+            if (img.shape[0] >= img.shape[1]) == (h >= w) or h == w:
+                return img
+        return self._codec.decode(buf, reduce=reduce)
+
+    def load(self, i: int, *, epoch: int = 0) -> Any:
+        """Record ``i`` decoded and passed through the fastload transform (if any)."""
+        fast = self._fast
+        if fast is not None and fast._n_geometric:
+            rng = self._rng(epoch, i)
+            hw = self.stored_hw(i)
+            plan = fast.plan(hw, rng)
+            img = self.decode(i, reduce=plan.reduce_for(hw) if self.dct_reduce else 1)
+            return fast.apply_tail(plan.execute(img, hw), rng)
+        img = self.decode(i)
+        if not img.flags.writeable:  # a raw view into the shard's memory map: give an owned copy
+            img = img.copy()
+        if fast is not None:
+            img = fast.apply_tail(img, self._rng(epoch, i))
+        return img
+
+    def _target(self, i: int):
+        t = int(self._labels[i])
+        return self.target_transform(t) if self.target_transform is not None else t
+
+    # -- the batched fast path the DataLoader uses ---------------------------------------
+
+    def batch_image_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, 3) of every sample when it is fixed and :meth:`fill_batch` can make it,
+        else None (the DataLoader then falls back to per-sample loading)."""
+        if self.transform is None:
+            shape = self.reader.image_shape
+            if shape is None and len(self):
+                first = self._shapes[0]
+                if (self._shapes == first).all():
+                    shape = tuple(int(s) for s in first)
+            return tuple(shape) if shape is not None else None
+        if self._fast is None or not self._fast.geometric:
+            return None
+        hw = fixed_output_hw(self._fast)
+        if hw is None:
+            return None
+        channels = int(self._shapes[0][2]) if len(self) else 3
+        return (hw[0], hw[1], channels)
+
+    def fill_batch(self, indices: np.ndarray, images: np.ndarray, targets: np.ndarray, *, epoch: int) -> None:
+        """Decode, crop and resize samples ``indices`` straight into ``images[j]`` (N, H, W, C
+        uint8) and their labels into ``targets[j]``: no per-sample array survives."""
+        fast = self._fast
+        for j, i in enumerate(indices):
+            i = int(i)
+            hw = self.stored_hw(i)
+            plan = fast.plan(hw, self._rng(epoch, i)) if fast is not None else Plan.identity(hw)
+            img = self.decode(i, reduce=plan.reduce_for(hw) if self.dct_reduce else 1)
+            plan.execute(img, hw, dst=images[j])
+            targets[j] = self._target(i)
+
+    # -- pickling -------------------------------------------------------------------------
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_paths"] = None  # reread from the pack on demand: keeps pickles ~20 bytes/sample
+        return state
+
+
+def _check_decoder(name: str) -> None:
+    if name == "simplejpeg":
+        from ..errors import require
+
+        require("simplejpeg", "simplejpeg", "the simplejpeg decoder")
+    elif name == "jpeg4py":
+        _jpeg._jpeg4py()
+
+
+# -- in_memory: one copy of the pack per node, in /dev/shm --------------------------------
+
+_SHM = Path("/dev/shm")
+_created: list[tuple[int, Path]] = []  # (creating pid, copy)
+
+
+def _copy_to_shm(root: Path) -> Path:
+    """Copy the pack's files into /dev/shm once per node (keyed by its manifests) and return
+    the copy. Every process reading it maps the same pages. The process that made the copy
+    removes it at exit."""
+    if not _SHM.is_dir():
+        raise FastloadError("in_memory=True needs /dev/shm (a Linux tmpfs); read from disk instead")
+    manifests = sorted(p for p in root.glob("manifest*.json"))
+    if not manifests:
+        raise FormatError(f"{root}: no manifest (not a fastload pack, or its packing never finished)")
+    h = hashlib.sha256(str(root.resolve()).encode())
+    for m in manifests:
+        h.update(m.read_bytes())
+    dest = _SHM / f"fastload-{os.getuid()}-{h.hexdigest()[:16]}"
+    if (dest / ".complete").exists():
+        return dest
+    files = [p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")]
+    need = sum(p.stat().st_size for p in files)
+    free = shutil.disk_usage(_SHM).free
+    if need > free * 0.9:
+        raise FastloadError(
+            f"in_memory=True: {root} needs {need / 2**30:.1f} GiB but /dev/shm has {free / 2**30:.1f} GiB free"
+        )
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for p in files:
+            shutil.copyfile(p, tmp / p.name)
+        (tmp / ".complete").touch()
+        os.rename(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (dest / ".complete").exists():  # another process on this node won the race
+            return dest
+        raise
+    _created.append((os.getpid(), dest))
+    return dest
+
+
+@atexit.register
+def _remove_shm_copies() -> None:
+    for pid, d in _created:
+        if pid == os.getpid():  # never from a forked worker
+            shutil.rmtree(d, ignore_errors=True)
+    _created.clear()
+
