@@ -1,0 +1,192 @@
+"""The training step: learning, accumulation, resume, AMP, errors (all on the CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fastload import train
+from fastload.errors import FormatError
+from fastload.train.models import SmallCNN
+
+from _train_helpers import DIGITS_EPOCHS, TensorBatches, digits_recipe, pack_digits, read_pack_tensors
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """(train x, train y, val x, val y): digits packed by fastload and read back through it."""
+    root = tmp_path_factory.mktemp("digits")
+    tr, va = pack_digits(root)
+    return (*read_pack_tensors(tr), *read_pack_tensors(va))
+
+
+def _sgd(model, lr=0.05, momentum=0.9):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+
+def test_small_cnn_learns_packed_digits(digits):
+    xtr, ytr, xva, yva = digits
+    assert xtr.dtype == torch.uint8 and xtr.shape[1:] == (3, 32, 32) and len(xva) > 400
+    trainer, hist = digits_recipe(TensorBatches(xtr, ytr, batch_size=64),
+                                  TensorBatches(xva, yva, batch_size=256, shuffle=False))
+    assert [h["epoch"] for h in hist] == list(range(DIGITS_EPOCHS))
+    assert hist[-1]["train"]["loss"] < hist[0]["train"]["loss"]
+    assert hist[-1]["val"]["acc1"] >= 0.90, hist[-1]
+    assert hist[-1]["val"]["samples"] == len(xva)
+    st = hist[-1]["train"]
+    assert st["samples"] == len(xtr) and st["steps"] == -(-len(xtr) // 64)
+    assert 0.0 <= st["data_stall"] <= 1.0 and st["peak_memory_bytes"] > 0
+
+
+def _one_epoch_weights(batches, *, accum, seed=0, lr=0.5):
+    train.seed_everything(seed)
+    model = SmallCNN(num_classes=3, width=4, batch_norm=False)
+    trainer = train.Trainer(model, torch.optim.SGD(model.parameters(), lr=lr),
+                            config=train.TrainConfig(accum_steps=accum), device="cpu")
+    st = trainer.train_epoch(batches)
+    return model.state_dict(), st
+
+
+def test_accumulating_4_micro_batches_equals_one_big_batch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (32, 3, 12, 12), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 3, (32,), generator=g)
+    big, st_big = _one_epoch_weights([(x, y)], accum=1)
+    micro, st_micro = _one_epoch_weights([(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)], accum=4)
+    assert st_big.steps == st_micro.steps == 1
+    for k in big:
+        assert torch.allclose(big[k], micro[k], atol=1e-5, rtol=1e-4), k
+
+
+def test_accumulation_short_last_group_is_averaged_over_its_own_size():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (48, 3, 12, 12), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 3, (48,), generator=g)
+    # 6 micro-batches with k=4: one group of 4, then a group of 2 (loss / 2, not / 4).
+    ref, st_ref = _one_epoch_weights([(x[:32], y[:32]), (x[32:], y[32:])], accum=1)
+    got, st = _one_epoch_weights([(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)], accum=4)
+    assert st.steps == st_ref.steps == 2
+    for k in ref:
+        assert torch.allclose(ref[k], got[k], atol=1e-5, rtol=1e-4), k
+
+
+def _resume_setup(x, y):
+    train.seed_everything(0)
+    model = SmallCNN(num_classes=10, width=8)
+    opt = _sgd(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    cfg = train.TrainConfig(accum_steps=2)
+    trainer = train.Trainer(model, opt, config=cfg, device="cpu", scheduler=sched)
+    return trainer, TensorBatches(x, y, batch_size=32, seed=9)
+
+
+def test_mid_epoch_checkpoint_resume_gives_identical_weights(digits, tmp_path):
+    x, y = digits[0][:480], digits[1][:480]  # 15 micro-batches per epoch: a short last group too
+    full, loader = _resume_setup(x, y)
+    full.fit(loader, epochs=2)
+
+    first, loader = _resume_setup(x, y)
+    st = first.train_epoch(loader, max_steps=3)
+    assert not st.completed and st.steps == 3 and st.samples == 6 * 32
+    ckpt = tmp_path / "mid.pt"
+    first.save_checkpoint(ckpt, loader=loader)
+    # keep training the first trainer a bit so its in-memory state differs from the file
+    first.train_epoch(loader, max_steps=1)
+
+    second, loader2 = _resume_setup(x, y)
+    second.load_checkpoint(ckpt, loader=loader2)
+    assert (second.epoch, second.step) == (0, 3)
+    second.fit(loader2, epochs=2)
+    assert second.step == full.step
+    a, b = full.module.state_dict(), second.module.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert second.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+
+
+def test_checkpoint_errors(tmp_path, digits):
+    trainer, loader = _resume_setup(digits[0][:128], digits[1][:128])
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(FormatError, match="bad.pt"):
+        trainer.load_checkpoint(bad)
+    torch.save({"hello": 1}, tmp_path / "other.pt")
+    with pytest.raises(FormatError, match="not a fastload training checkpoint"):
+        trainer.load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(FileNotFoundError):
+        trainer.load_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_on_cpu_runs_in_low_precision(precision):
+    train.seed_everything(0)
+    model = SmallCNN(num_classes=4, width=8)
+    seen = []
+    model.features[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer = train.Trainer(model, _sgd(model), config=train.TrainConfig(precision=precision), device="cpu")
+    before = copy.deepcopy(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 256, (16, 3, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, 4, (16,)))
+            for _ in range(3)]
+    st = trainer.train_epoch(data)
+    want = torch.bfloat16 if precision == "bf16" else torch.float16
+    assert seen and all(d == want for d in seen)
+    assert st.steps == 3 and torch.isfinite(torch.tensor(st.loss))
+    assert trainer.scaler.is_enabled() == (precision == "fp16")
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.fc.weight.dtype == torch.float32, "weights stay fp32 under autocast"
+    ev = trainer.evaluate(data)
+    assert ev.samples == 48 and 0 <= ev.acc1 <= ev.acc5 <= 1
+
+
+def test_channels_last_and_activation_checkpointing_match_plain_step():
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))
+            for _ in range(2)]
+    out = []
+    for cfg in (train.TrainConfig(), train.TrainConfig(channels_last=True, checkpoint_blocks=("features",))):
+        train.seed_everything(0)
+        model = SmallCNN(num_classes=4, width=8)
+        train.Trainer(model, _sgd(model), config=cfg, device="cpu").train_epoch(data)
+        out.append(model.state_dict())
+    for k in out[0]:
+        assert torch.allclose(out[0][k], out[1][k], atol=1e-4, rtol=1e-3), k
+
+
+def test_too_few_batches_for_accumulation_is_a_clear_error():
+    model = SmallCNN(num_classes=2, width=4)
+    trainer = train.Trainer(model, _sgd(model), config=train.TrainConfig(accum_steps=4), device="cpu")
+    data = [(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64))] * 3
+    with pytest.raises(ValueError, match="3 batches .* fewer than accum_steps=4"):
+        trainer.train_epoch(data)
+
+
+def test_batch_must_be_images_and_targets():
+    model = SmallCNN(num_classes=2, width=4)
+    trainer = train.Trainer(model, _sgd(model), device="cpu")
+    with pytest.raises(ValueError, match=r"\(images, targets\)"):
+        trainer.train_epoch([torch.zeros(2, 3, 8, 8)])
+
+
+def test_sync_batchnorm_needs_cuda_under_ddp():
+    model = SmallCNN(num_classes=2, width=4)
+    info = train.DistInfo(rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="sync_batchnorm needs CUDA"):
+        train.Trainer(model, _sgd(model), dist=info, config=train.TrainConfig(sync_batchnorm=True))
+
+
+@pytest.mark.cuda
+def test_cuda_fp16_step_with_grad_scaler_and_channels_last():
+    train.seed_everything(0)
+    model = SmallCNN(num_classes=4, width=8)
+    cfg = train.TrainConfig(precision="fp16", channels_last=True)
+    trainer = train.Trainer(model, _sgd(model), config=cfg, device="cuda")
+    data = [(torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 4, (16,)))
+            for _ in range(4)]
+    st = trainer.train_epoch(data)
+    assert st.steps == 4 and torch.isfinite(torch.tensor(st.loss))
+    assert trainer.scaler.is_enabled() and st.peak_memory_bytes > 0
+    assert torch.backends.cudnn.benchmark
