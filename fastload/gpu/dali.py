@@ -1,0 +1,437 @@
+"""A DALI pipeline over a fastload pack: nvJPEG decode and augmentation on the GPU.
+
+The pack's records reach DALI through ``fn.external_source`` in *parallel batch mode*: a
+small picklable callable (:class:`PackBatchSource`) runs in DALI's Python worker processes
+and returns the encoded bytes and labels of one batch. It is a pure function of
+``(epoch, batch number)``; the order comes from :func:`fastload.data.sampler.epoch_indices`,
+so DALI reads exactly the samples fastload's own DataLoader would on each rank and epoch.
+Decoding (``device="mixed"``: nvJPEG), random-resized-crop, flip and normalisation run in
+DALI; a ``DALIGenericIterator`` hands the results to PyTorch as ``(images, targets)``.
+
+Last-batch policy: ``drop_last=False`` gives a final partial batch (like a torch DataLoader;
+the DDP sampler pads ranks to equal length by wrapping around); ``drop_last=True`` keeps full
+batches only and drops the permutation's tail. Either way every rank gets the same number of
+batches. Augmentation randomness comes from DALI's own generator seeded from
+``(seed, rank, epoch)``: reproducible for a given pipeline, but not per sample like the CPU path.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..data.sampler import epoch_indices, samples_per_rank
+from ..errors import FormatError, require
+from ..storage import open_pack
+
+__all__ = ["DALILoader", "PackBatchSource", "dali_available"]
+
+_PIP = "nvidia-dali-cuda120"
+_DECODABLE = ("jpeg", "png", "bmp", "original")
+
+
+def _dali():
+    """Import DALI where it is used, with an error that says what to install."""
+    return require("nvidia.dali", _PIP, "fastload.dali (the DALI pipeline)")
+
+
+def dali_available() -> bool:
+    """Whether ``nvidia.dali`` can be imported here."""
+    try:
+        _dali()
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_distributed(distributed: tuple[int, int] | None) -> tuple[int, int]:
+    """``(rank, world_size)``: explicit, or from ``torch.distributed`` when it is initialised."""
+    if distributed is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    try:
+        rank, world = (int(v) for v in distributed)
+    except (TypeError, ValueError):
+        raise ValueError(f"distributed must be None or a (rank, world_size) pair, got {distributed!r}") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"distributed=(rank, world_size) needs 0 <= rank < world_size, got {distributed!r}")
+    return rank, world
+
+
+class PackBatchSource:
+    """The external-source callable: batch ``info.iteration`` of epoch ``base_epoch + info.epoch_idx``.
+
+    Stateless apart from caches, as DALI's parallel mode requires: it pickles small (the pack
+    reader opens its files lazily in each worker) and computes the epoch's order with
+    :func:`epoch_indices`, cached for the current epoch. ``start_batch`` skips the batches a
+    resumed job had already consumed (first epoch of this pipeline only).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        labels: np.ndarray,
+        shapes: np.ndarray | None,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        base_epoch: int = 0,
+        start_batch: int = 0,
+    ):
+        self.root = Path(root)
+        self.labels = np.ascontiguousarray(labels, dtype=np.int64)
+        self.shapes = None if shapes is None else np.ascontiguousarray(shapes, dtype=np.int32)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.drop_last = bool(drop_last)
+        self.base_epoch = int(base_epoch)
+        self.start_batch = int(start_batch)
+        self._pack = None
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_pack"] = None
+        state["_cached"] = None
+        return state
+
+    def indices(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            idx = epoch_indices(
+                len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                rank=self.rank, world_size=self.world_size, drop_last=self.drop_last,
+            )
+            self._cached = (epoch, idx)
+        return self._cached[1]
+
+    def num_batches(self) -> int:
+        per_rank = samples_per_rank(len(self.labels), world_size=self.world_size, drop_last=self.drop_last)
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+
+    def batch_indices(self, epoch_idx: int, iteration: int) -> np.ndarray:
+        """Dataset indices of one batch; raises StopIteration past the epoch's end."""
+        b = iteration + (self.start_batch if epoch_idx == 0 else 0)
+        if b >= self.num_batches():
+            raise StopIteration
+        idx = self.indices(self.base_epoch + epoch_idx)
+        return idx[b * self.batch_size : (b + 1) * self.batch_size]
+
+    def __call__(self, info) -> tuple[list[np.ndarray], np.ndarray]:
+        idx = self.batch_indices(int(info.epoch_idx), int(info.iteration))
+        if self._pack is None:
+            self._pack = open_pack(self.root, check_files=False)
+        pack = self._pack
+        if self.shapes is None:
+            data = [np.array(np.frombuffer(pack.get(int(i)), dtype=np.uint8)) for i in idx]
+        else:
+            data = []
+            for i in idx:
+                h, w, c = (int(v) for v in self.shapes[i])
+                buf = np.frombuffer(pack.get(int(i)), dtype=np.uint8)
+                if buf.size != h * w * c:
+                    raise FormatError(f"{self.root}: raw record {int(i)} has {buf.size} bytes, expected {h}x{w}x{c}")
+                data.append(buf.reshape(h, w, c).copy())
+        return data, self.labels[idx]
+
+
+class DALILoader:
+    """Batches of a fastload pack decoded and augmented by DALI, as ``(images, targets)`` tensors.
+
+    ``device="gpu"``: nvJPEG (``decoders.image(device="mixed")``) and GPU augmentation on CUDA
+    device ``device_id`` (default: the current one); outputs are CUDA tensors. ``device="cpu"``:
+    a CPU-only pipeline (``device_id=None``), CPU tensors. Images come out as ``(N, 3, crop,
+    crop)`` float (``dtype``), normalised with ``mean``/``std`` (0..1 scale; without them scaled
+    to 0..1), in channels_last memory format unless ``channels_last=False``; targets are int64.
+
+    ``train=True``: random-resized-crop (``scale``, ``ratio``) and a random flip; ``train=False``:
+    resize the shorter side to ``crop / 0.875`` and centre-crop. ``len()`` is the number of
+    batches per epoch on this rank. ``set_epoch(e)`` selects the epoch's shuffle (like
+    fastload's sampler, a finished epoch moves on to the next by itself); ``state_dict`` /
+    ``load_state_dict`` resume mid-epoch at batch granularity. Re-iterating after breaking out
+    early continues the unfinished epoch.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        batch_size: int,
+        *,
+        device: str = "gpu",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        crop: int = 224,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        num_threads: int | None = None,
+        distributed: tuple[int, int] | None = None,
+        train: bool = True,
+        dtype: Any = None,
+        channels_last: bool = True,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        resize_ratio: float = 0.875,
+        device_id: int | None = None,
+        py_num_workers: int = 2,
+        py_start_method: str | None = None,
+        prefetch_queue_depth: int = 2,
+    ):
+        import torch
+
+        self._dali_mod = _dali()
+        if device not in ("gpu", "cpu"):
+            raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(crop, int) or crop < 1:
+            raise ValueError(f"crop must be a positive int, got {crop!r}")
+        if not 0 < resize_ratio <= 1:
+            raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
+        if not (0 < scale[0] <= scale[1] <= 1):
+            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {scale}")
+        if not (0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"ratio must satisfy 0 < min <= max, got {ratio}")
+        if py_start_method not in (None, "fork", "spawn"):
+            raise ValueError(f"py_start_method must be 'fork', 'spawn' or None, got {py_start_method!r}")
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        if device == "gpu":
+            if not torch.cuda.is_available():
+                raise ValueError("DALILoader(device='gpu') needs a CUDA GPU; use device='cpu' on this machine")
+            device_id = torch.cuda.current_device() if device_id is None else int(device_id)
+        else:
+            device_id = None
+
+        self.root = Path(root)
+        self.batch_size = batch_size
+        self.device = device
+        self.device_id = device_id
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.crop = crop
+        self.train = bool(train)
+        self.dtype = dtype
+        self.channels_last = bool(channels_last)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.resize_ratio = float(resize_ratio)
+        self.rank, self.world_size = resolve_distributed(distributed)
+        self.num_threads = int(num_threads) if num_threads else max(1, min(8, os.cpu_count() or 1))
+        self.py_num_workers = max(1, int(py_num_workers))
+        self.py_start_method = py_start_method
+        self.prefetch_queue_depth = int(prefetch_queue_depth)
+
+        from ..gpu.transforms import _channel_vector
+
+        self.mean = _channel_vector(mean, "mean", 3) or (0.0, 0.0, 0.0)
+        self.std = _channel_vector(std, "std", 3) or (1.0, 1.0, 1.0)
+
+        pack = open_pack(self.root)
+        if pack.payload not in _DECODABLE and pack.payload != "raw":
+            raise FormatError(f"{self.root}: payload {pack.payload!r} cannot be read by the DALI pipeline")
+        self.payload = pack.payload
+        self.classes = pack.classes
+        index = pack.index
+        self._labels = index.labels
+        self._shapes = index.shapes if pack.payload == "raw" else None
+        if self._shapes is not None and len(self._shapes) and int(self._shapes[:, 2].min()) != 3:
+            raise FormatError(f"{self.root}: raw records must be RGB (H, W, 3) for the DALI pipeline")
+        pack.close()
+        self.num_samples = len(self._labels)
+        if len(self) == 0:
+            raise ValueError(
+                f"{self.root}: {self.num_samples} samples over {self.world_size} rank(s) make no "
+                f"batch of {batch_size}" + (" with drop_last=True" if drop_last else "")
+            )
+
+        self.epoch = 0
+        self.offset = 0  # batches of the current epoch already handed out
+        self._pipe = None
+        self._iter = None
+        self._pipe_next: tuple[int, int] | None = None  # (epoch, offset) the pipeline yields next
+
+    # -- epoch bookkeeping ---------------------------------------------------------------
+    def _source(self, base_epoch: int, start_batch: int) -> PackBatchSource:
+        return PackBatchSource(
+            self.root, labels=self._labels, shapes=self._shapes, batch_size=self.batch_size,
+            seed=self.seed, shuffle=self.shuffle, rank=self.rank, world_size=self.world_size,
+            drop_last=self.drop_last, base_epoch=base_epoch, start_batch=start_batch,
+        )
+
+    def __len__(self) -> int:
+        return self._source(0, 0).num_batches()
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """The dataset indices this rank reads in ``epoch``, in batch order."""
+        return self._source(0, 0).indices(self.epoch if epoch is None else int(epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next (from its start, unless a loaded state resumes it)."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.offset = epoch, 0
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch, "offset": self.offset, "seed": self.seed, "n": self.num_samples,
+            "world_size": self.world_size, "batch_size": self.batch_size,
+            "shuffle": self.shuffle, "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state``; refuses one from a different dataset, seed, world or batch size."""
+        for key in ("n", "seed", "world_size", "batch_size", "shuffle", "drop_last"):
+            mine = self.num_samples if key == "n" else getattr(self, key)
+            if key in state and state[key] != mine:
+                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has {mine!r}; "
+                                 "resuming would not reproduce the interrupted run")
+        offset = int(state["offset"])
+        if not 0 <= offset <= len(self):
+            raise ValueError(f"loader state offset {offset} out of range 0..{len(self)}")
+        self.epoch, self.offset = int(state["epoch"]), offset
+
+    # -- the pipeline --------------------------------------------------------------------
+    def _start_method(self) -> str:
+        if self.py_start_method is not None:
+            return self.py_start_method
+        import torch
+
+        # Forking a process that holds a CUDA context is unsupported: spawn then.
+        return "spawn" if torch.cuda.is_initialized() or self.device == "gpu" else "fork"
+
+    def _build(self, base_epoch: int, start_batch: int) -> None:
+        self.close()
+        dali = self._dali_mod
+        from nvidia.dali import fn, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        source = self._source(base_epoch, start_batch)
+        gpu = self.device == "gpu"
+        raw = self._shapes is not None
+        crop = self.crop
+        out_dtype = types.FLOAT16 if self.dtype is _torch().float16 else types.FLOAT
+        mean = [m * 255.0 for m in self.mean]
+        std = [s * 255.0 for s in self.std]
+        train = self.train
+        scale, ratio = list(self.scale), list(self.ratio)
+        resize_to = max(crop, int(round(crop / self.resize_ratio)))
+        layout = "HWC" if self.channels_last else "CHW"
+
+        def graph():
+            data, labels = fn.external_source(
+                source=source, num_outputs=2, batch=True, batch_info=True, parallel=True,
+                dtype=[types.UINT8, types.INT64], ndim=[3 if raw else 1, 0],
+                layout=["HWC" if raw else "", ""],
+            )
+            if raw:
+                images = data.gpu() if gpu else data
+                if train:
+                    images = fn.random_resized_crop(images, size=[crop, crop], random_area=scale,
+                                                    random_aspect_ratio=ratio)
+            else:
+                dev = "mixed" if gpu else "cpu"
+                if train:
+                    images = fn.decoders.image_random_crop(
+                        data, device=dev, output_type=types.RGB, random_area=scale,
+                        random_aspect_ratio=ratio, num_attempts=10,
+                    )
+                    images = fn.resize(images, size=[crop, crop])
+                else:
+                    images = fn.decoders.image(data, device=dev, output_type=types.RGB)
+            if not train:
+                images = fn.resize(images, resize_shorter=resize_to)
+            images = fn.crop_mirror_normalize(
+                images, dtype=out_dtype, output_layout=layout, crop=[crop, crop], mean=mean, std=std,
+                mirror=fn.random.coin_flip(probability=0.5) if train else 0,
+            )
+            return images, (labels.gpu() if gpu else labels)
+
+        pipe_seed = (self.seed * 1_000_003 + self.rank * 7919 + base_epoch * 104_729 + start_batch) % (2**31 - 1)
+        pipe = dali.Pipeline(
+            batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
+            seed=pipe_seed, prefetch_queue_depth=self.prefetch_queue_depth,
+            py_num_workers=self.py_num_workers, py_start_method=self._start_method(),
+        )
+        with pipe:
+            images, labels = graph()
+            pipe.set_outputs(images, labels)
+        pipe.build()
+        self._pipe = pipe
+        self._iter = DALIGenericIterator(
+            pipe, ["images", "targets"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True,
+        )
+        self._pipe_next = (base_epoch, start_batch)
+
+    def close(self) -> None:
+        """Stop the pipeline and its worker processes (a later iteration starts new ones)."""
+        self._iter = None
+        self._pipe = None
+        self._pipe_next = None
+        gc.collect()  # DALI shuts the pipeline and its Python workers down when they are collected
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        if self.offset >= len(self):  # a resumed state at an epoch's very end
+            self.epoch, self.offset = self.epoch + 1, 0
+        if self._iter is None or self._pipe_next != (self.epoch, self.offset):
+            self._build(self.epoch, self.offset)
+        return self._run()
+
+    def _run(self) -> Iterator[tuple[Any, Any]]:
+        torch = _torch()
+        finished = False
+        try:
+            for out in self._iter:
+                d = out[0]
+                images, targets = d["images"], d["targets"]
+                if self.channels_last:
+                    images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last
+                if self.dtype is torch.bfloat16:
+                    images = images.to(torch.bfloat16)
+                self.offset += 1
+                yield images, targets.to(torch.int64).view(-1)
+            finished = True
+        finally:
+            if finished:
+                # auto_reset has already started the pipeline on its next epoch
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._pipe_next = (self.epoch, 0)
+            else:
+                self._pipe_next = None  # broken off mid-epoch: prefetched batches are stale
+
+    def __repr__(self) -> str:
+        return (
+            f"DALILoader({str(self.root)!r}, batch_size={self.batch_size}, device={self.device!r}, "
+            f"train={self.train}, crop={self.crop}, rank={self.rank}/{self.world_size}, payload={self.payload!r})"
+        )
+
+    def __del__(self):
+        try:
+            self._iter = None
+            self._pipe = None
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _torch():
+    import torch
+
+    return torch
