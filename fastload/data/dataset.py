@@ -186,8 +186,9 @@ class ImageFolder:
                 continue
         return "cv2"  # pragma: no cover - cv2 always imports
 
-    def _rng(self, epoch: int, i: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, int(epoch), int(i), 0x5EED])
+    def _rng(self, epoch: int, i: int, seed: int | None = None) -> np.random.Generator:
+        seed = self.seed if seed is None else seed
+        return np.random.default_rng([int(seed), int(epoch), int(i), 0x5EED])
 
     def stored_hw(self, i: int) -> tuple[int, int]:
         s = self._shapes[i]
@@ -223,11 +224,11 @@ class ImageFolder:
                 return img
         return self._codec.decode(buf, reduce=reduce)
 
-    def load(self, i: int, *, epoch: int = 0) -> Any:
+    def load(self, i: int, *, epoch: int = 0, seed: int | None = None) -> Any:
         """Record ``i`` decoded and passed through the fastload transform (if any)."""
         fast = self._fast
         if fast is not None and fast._n_geometric:
-            rng = self._rng(epoch, i)
+            rng = self._rng(epoch, i, seed)
             hw = self.stored_hw(i)
             plan = fast.plan(hw, rng)
             img = self.decode(i, reduce=plan.reduce_for(hw) if self.dct_reduce else 1)
@@ -236,7 +237,7 @@ class ImageFolder:
         if not img.flags.writeable:  # a raw view into the shard's memory map: give an owned copy
             img = img.copy()
         if fast is not None:
-            img = fast.apply_tail(img, self._rng(epoch, i))
+            img = fast.apply_tail(img, self._rng(epoch, i, seed))
         return img
 
     def _target(self, i: int):
@@ -263,14 +264,17 @@ class ImageFolder:
         channels = int(self._shapes[0][2]) if len(self) else 3
         return (hw[0], hw[1], channels)
 
-    def fill_batch(self, indices: np.ndarray, images: np.ndarray, targets: np.ndarray, *, epoch: int) -> None:
+    def fill_batch(
+        self, indices: np.ndarray, images: np.ndarray, targets: np.ndarray, *, epoch: int, seed: int | None = None
+    ) -> None:
         """Decode, crop and resize samples ``indices`` straight into ``images[j]`` (N, H, W, C
-        uint8) and their labels into ``targets[j]``: no per-sample array survives."""
+        uint8) and their labels into ``targets[j]``: no per-sample array survives. Pixels are
+        the same as ``load(i, epoch=epoch)`` gives."""
         fast = self._fast
         for j, i in enumerate(indices):
             i = int(i)
             hw = self.stored_hw(i)
-            plan = fast.plan(hw, self._rng(epoch, i)) if fast is not None else Plan.identity(hw)
+            plan = fast.plan(hw, self._rng(epoch, i, seed)) if fast is not None else Plan.identity(hw)
             img = self.decode(i, reduce=plan.reduce_for(hw) if self.dct_reduce else 1)
             plan.execute(img, hw, dst=images[j])
             targets[j] = self._target(i)
