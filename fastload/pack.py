@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import OnError, PackConfig
-from .errors import DecodeError, PackError
+from .errors import DecodeError, FastloadError, PackError
 from .scan import SourceListing, list_source, scan_source
 from .schema import (
     FORMAT_VERSION,
@@ -388,6 +388,12 @@ class _PackRun:
         self.shapes.append(self.writer_shape)
         self._journal()
 
+    def _tmp_size(self) -> int:
+        try:
+            return self.writer.tmp_path.stat().st_size if self.writer is not None else 0
+        except OSError:
+            return 0
+
     def _abort_writer(self) -> None:
         if self.writer is not None:
             try:
@@ -411,13 +417,12 @@ class _PackRun:
             write_manifest(self.dest / manifest_name(self.cfg.part, self.cfg.parts), self._manifest())
             self.jpath.unlink(missing_ok=True)
         except BaseException as exc:
+            tmp_size = self._tmp_size()
             self._abort_writer()
-            if isinstance(exc, Exception) and not isinstance(exc, PackError) and _is_disk_full(exc):
-                why = getattr(exc, "strerror", None) or exc
-                raise PackError(
-                    f"{self.dest}: disk full while writing ({why}); free space and "
-                    "rerun the same command to resume"
-                ) from None
+            if isinstance(exc, Exception) and not isinstance(exc, FastloadError):
+                err = _write_failure(exc, self.dest, tmp_size)
+                if err is not None:
+                    raise err from None
             raise
 
     def _loop(self) -> None:
@@ -506,11 +511,36 @@ def _progress(cfg: PackConfig, *, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="img", desc="packing", file=sys.stderr, smoothing=0.1)
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-        return True
+def _write_failure(exc: Exception, dest: Path, tmp_size: int) -> PackError | None:
+    """A one-line PackError for a failed write (full disk above all), or None if not one."""
     text = str(exc).lower()
-    return any(t in text for t in _DISK_FULL_TEXT)
+    from_lmdb = type(exc).__module__.startswith("lmdb")
+    full = (isinstance(exc, OSError) and exc.errno in _DISK_FULL) or any(t in text for t in _DISK_FULL_TEXT)
+    io_error = (isinstance(exc, OSError) and exc.errno == errno.EIO) or (from_lmdb and "input/output error" in text)
+    if io_error and not full:
+        # LMDB turns a short write (what a full disk or a file-size limit gives) into EIO.
+        full = _looks_full(dest, tmp_size)
+    why = getattr(exc, "strerror", None) or str(exc)
+    if full:
+        return PackError(
+            f"{dest}: disk full while writing ({why}); free space and rerun the same command to resume"
+        )
+    if io_error or from_lmdb:
+        return PackError(f"{dest}: writing a shard failed ({why}); rerun the same command to resume")
+    return None
+
+
+def _looks_full(dest: Path, tmp_size: int) -> bool:
+    import resource
+
+    try:
+        st = os.statvfs(dest)
+        if st.f_bavail * st.f_frsize < (16 << 20):
+            return True
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return soft != resource.RLIM_INFINITY and tmp_size >= soft - 65536
 
 
 def _human(n: float) -> str:
