@@ -1,0 +1,97 @@
+"""Sample order, DDP sharding and resume: epoch_indices and DistributedEpochSampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastload.data.sampler import DistributedEpochSampler, epoch_indices, samples_per_rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 300), world=st.integers(1, 4), drop_last=st.booleans(),
+    shuffle=st.booleans(), seed=st.integers(0, 2**31), epoch=st.integers(0, 50),
+)
+def test_ranks_get_equal_counts_and_cover_the_dataset(n, world, drop_last, shuffle, seed, epoch):
+    parts = [
+        epoch_indices(n, seed=seed, epoch=epoch, shuffle=shuffle, rank=r, world_size=world, drop_last=drop_last)
+        for r in range(world)
+    ]
+    counts = {len(p) for p in parts}
+    assert len(counts) == 1, "every rank must see the same number of samples"
+    (count,) = counts
+    assert count == (n // world if drop_last else -(-n // world))
+    allidx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    assert allidx.dtype == np.int64
+    assert ((allidx >= 0) & (allidx < max(n, 1))).all()
+    if drop_last:
+        # nothing repeated; only fewer than `world` samples dropped
+        assert len(np.unique(allidx)) == len(allidx) == count * world
+        assert n - len(allidx) < world
+    else:
+        # every sample seen at least once; the padding repeats at most world-1 extra samples
+        # (more only when the dataset is smaller than the world)
+        assert set(allidx.tolist()) == set(range(n))
+        assert len(allidx) - n == (-n) % world
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch():
+    a = epoch_indices(1000, seed=7, epoch=3)
+    assert np.array_equal(a, epoch_indices(1000, seed=7, epoch=3))
+    assert not np.array_equal(a, epoch_indices(1000, seed=7, epoch=4))
+    assert not np.array_equal(a, epoch_indices(1000, seed=8, epoch=3))
+    assert sorted(a.tolist()) == list(range(1000))
+    assert np.array_equal(epoch_indices(10, shuffle=False), np.arange(10))
+    assert np.array_equal(epoch_indices(10, shuffle=False, rank=1, world_size=3), [1, 4, 7, 0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(n=-1), dict(n=5, world_size=0), dict(n=5, rank=2, world_size=2), dict(n=5, seed=-1), dict(n=5, epoch=-2)],
+)
+def test_bad_arguments_raise_value_error(kwargs):
+    n = kwargs.pop("n")
+    with pytest.raises(ValueError):
+        epoch_indices(n, **kwargs)
+
+
+def test_sampler_matches_epoch_indices_and_advances_epochs():
+    s = DistributedEpochSampler(50, seed=1, rank=1, world_size=3)
+    assert len(s) == samples_per_rank(50, world_size=3, drop_last=False) == 17
+    first = list(s)
+    assert first == epoch_indices(50, seed=1, epoch=0, rank=1, world_size=3).tolist()
+    second = list(s)  # a finished epoch moves on by itself
+    assert second == epoch_indices(50, seed=1, epoch=1, rank=1, world_size=3).tolist()
+    s.set_epoch(0)
+    assert list(s) == first
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 120), world=st.integers(1, 4), stop=st.integers(0, 40), epoch=st.integers(0, 5))
+def test_sampler_resumes_exactly_mid_epoch(n, world, stop, epoch):
+    ref = DistributedEpochSampler(n, seed=5, rank=world - 1, world_size=world)
+    ref.set_epoch(epoch)
+    full = list(ref)
+    stop = min(stop, len(full))
+    s = DistributedEpochSampler(n, seed=5, rank=world - 1, world_size=world)
+    s.set_epoch(epoch)
+    it = iter(s)
+    seen = [next(it) for _ in range(stop)]
+    state = s.state_dict()
+    restarted = DistributedEpochSampler(n, seed=5, rank=world - 1, world_size=world)
+    restarted.load_state_dict(state)
+    restarted.set_epoch(epoch)  # what a training loop does on restart: must not rewind
+    assert seen + list(restarted) == full
+
+
+def test_load_state_refuses_a_different_run():
+    s = DistributedEpochSampler(10, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        s.load_state_dict({**s.state_dict(), "seed": 2})
+    with pytest.raises(ValueError, match="n="):
+        s.load_state_dict({**s.state_dict(), "n": 11})
+    with pytest.raises(ValueError, match="offset"):
+        s.load_state_dict({**s.state_dict(), "offset": 99})
