@@ -27,13 +27,18 @@ def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
     if reduce not in _REDUCE_BITS:
         raise ValueError(f"reduce must be one of 1, 2, 4, 8, got {reduce}")
     arr = as_u8(buf)
-    if _HAS_RGB_FLAG:
-        flags = cv2.IMREAD_COLOR_RGB | _REDUCE_BITS[reduce]
-        img = cv2.imdecode(arr, flags)
-    else:  # pragma: no cover - OpenCV < 4.10
-        img = cv2.imdecode(arr, cv2.IMREAD_COLOR | _REDUCE_BITS[reduce])
-        if img is not None:
-            img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    if arr.size == 0:
+        raise DecodeError("empty payload (0 bytes)")
+    try:
+        if _HAS_RGB_FLAG:
+            flags = cv2.IMREAD_COLOR_RGB | _REDUCE_BITS[reduce]
+            img = cv2.imdecode(arr, flags)
+        else:  # pragma: no cover - OpenCV < 4.10
+            img = cv2.imdecode(arr, cv2.IMREAD_COLOR | _REDUCE_BITS[reduce])
+            if img is not None:
+                img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    except cv2.error as exc:
+        raise DecodeError(f"OpenCV could not decode a {arr.size}-byte payload ({str(exc).strip()[-120:]})") from None
     if img is None:
         raise DecodeError(f"OpenCV could not decode a {arr.size}-byte payload (corrupt or not an image)")
     return img
