@@ -291,23 +291,30 @@ class DALILoader:
             self.epoch, self.offset = epoch, 0
 
     def state_dict(self) -> dict:
+        """Where the caller is: epoch and batches consumed in it (the same keys as fastload's
+        DataLoader, so a checkpoint names the position the same way for both backends)."""
+        epoch, done = self.epoch, self.offset
+        if done >= len(self):
+            epoch, done = epoch + 1, 0
         return {
-            "epoch": self.epoch, "offset": self.offset, "seed": self.seed, "n": self.num_samples,
-            "world_size": self.world_size, "batch_size": self.batch_size,
+            "epoch": epoch, "batches": done, "seed": self.seed, "batch_size": self.batch_size,
+            "num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
             "shuffle": self.shuffle, "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state``; refuses one from a different dataset, seed, world or batch size."""
-        for key in ("n", "seed", "world_size", "batch_size", "shuffle", "drop_last"):
-            mine = self.num_samples if key == "n" else getattr(self, key)
+        """Resume right after the batches recorded in ``state``; refuses a state from a
+        different dataset, seed, world size or batch size."""
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
+                          ("num_samples", self.num_samples), ("world_size", self.world_size),
+                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
             if key in state and state[key] != mine:
                 raise ValueError(f"loader state has {key}={state[key]!r} but this loader has {mine!r}; "
                                  "resuming would not reproduce the interrupted run")
-        offset = int(state["offset"])
-        if not 0 <= offset <= len(self):
-            raise ValueError(f"loader state offset {offset} out of range 0..{len(self)}")
-        self.epoch, self.offset = int(state["epoch"]), offset
+        done = int(state["batches"])
+        if not 0 <= done <= len(self):
+            raise ValueError(f"loader state: batches={done} out of range 0..{len(self)}")
+        self.epoch, self.offset = int(state["epoch"]), done
 
     # -- the pipeline --------------------------------------------------------------------
     def _start_method(self) -> str:

@@ -208,8 +208,26 @@ class CUDAPrefetcher:
         assert self._streams is not None and self._events is not None
         it = iter(self.loader)
         inflight: collections.deque = collections.deque()  # (slot, device batch, loader state)
+        # Host batches whose copies may still run. Memory from the caching host allocator
+        # (tensor.pin_memory()) is protected by torch itself, but a loader may hand out views of
+        # its own page-locked buffers (fastload's ring slots, cudaHostRegister'ed) that it
+        # recycles as soon as the view is dropped: so each slot keeps its last host batch
+        # until that slot's copy is known to have finished.
+        slot_host: list[Any] = [None] * self.depth
+        retired: collections.deque = collections.deque()  # (event, host batch), rare
         k = 0
         exhausted = False
+
+        def release_slot(slot: int) -> None:
+            host = slot_host[slot]
+            slot_host[slot] = None
+            if host is not None and not self._events[slot].query():
+                # Still copying: keep it alive behind a marker event, without blocking.
+                marker = torch.cuda.Event()
+                marker.record(self._streams[slot])
+                retired.append((marker, host))
+            while retired and retired[0][0].query():
+                retired.popleft()
 
         def issue() -> None:
             nonlocal k, exhausted
@@ -222,15 +240,15 @@ class CUDAPrefetcher:
             slot = k % self.depth
             k += 1
             stream, event = self._streams[slot], self._events[slot]
+            release_slot(slot)
             if _has_cuda_tensor(host):
                 # Tensors made on the consumer's stream must be ready before the side stream
                 # reads them (only then: waiting always would serialise copy and compute).
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 dev = _map_tensors(host, self._convert)
-            # Pinned host buffers need no care here: the caching host allocator records the
-            # copy and keeps the block until it has finished, even if `host` is dropped.
             event.record(stream)
+            slot_host[slot] = host
             inflight.append((slot, dev, state))
 
         try:
@@ -255,9 +273,16 @@ class CUDAPrefetcher:
                 yield dev
             self._state = None
         finally:
-            # Early exit: drop the prefetched batches and the loader's iterator (a torch
-            # DataLoader shuts its workers down when its iterator goes).
+            # Drop the prefetched batches and the loader's iterator (a torch DataLoader shuts
+            # its workers down when its iterator goes); host buffers only once copies are done.
             inflight.clear()
+            for slot in range(self.depth):
+                if slot_host[slot] is not None:
+                    self._events[slot].synchronize()
+                    slot_host[slot] = None
+            for marker, _ in retired:
+                marker.synchronize()
+            retired.clear()
             del it
 
     def _iter_cpu(self) -> Iterator:

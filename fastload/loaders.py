@@ -1,0 +1,126 @@
+"""The backend choice in one place: ``make_loader(root, backend="cpu" | "dali", ...)``.
+
+Both backends yield the same thing, ``(images, targets)`` with images float ``(N, 3, crop,
+crop)`` on the device (normalised when mean/std are given, channels_last) and int64 targets,
+and both have ``len()``, ``set_epoch()``, ``state_dict()`` and ``load_state_dict()``. A
+training script switches between CPU decoding (fastload's DataLoader + CUDAPrefetcher) and
+DALI (nvJPEG on the GPU) by changing one argument.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Backend", "BatchLoader", "make_loader"]
+
+
+class Backend(str, enum.Enum):
+    """Where images are decoded and augmented."""
+
+    CPU = "cpu"  # fastload ImageFolder + DataLoader workers, then CUDAPrefetcher
+    DALI = "dali"  # DALI pipeline: nvJPEG (device "mixed") on a GPU, or DALI's CPU operators
+
+
+class BatchLoader(Protocol):
+    """What :func:`make_loader` returns, whichever the backend."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def __len__(self) -> int: ...
+    def set_epoch(self, epoch: int) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} requested but CUDA is not available on this machine")
+    return dev
+
+
+def make_loader(
+    root: str | Path,
+    *,
+    backend: Backend | str = Backend.CPU,
+    batch_size: int,
+    train: bool = True,
+    crop: int = 224,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    device: torch.device | str | int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    distributed: tuple[int, int] | None = None,
+    num_workers: int | None = None,
+    shuffle: bool | None = None,
+    drop_last: bool | None = None,
+    channels_last: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+    resize_ratio: float = 0.875,
+    depth: int = 2,
+    loader_kwargs: dict[str, Any] | None = None,
+) -> BatchLoader:
+    """Batches of the packed dataset at ``root``, ready for the model on ``device``.
+
+    ``train=True``: random-resized-crop to ``crop`` and random flip, shuffled, full batches
+    only (``shuffle``/``drop_last`` override); ``train=False``: resize the shorter side to
+    ``crop / resize_ratio``, centre-crop, in order, keeping the last partial batch.
+    ``device=None`` means the current CUDA device, or the CPU without CUDA. ``num_workers``
+    sets the CPU backend's worker processes (DALI's CPU threads for ``"dali"``).
+    ``distributed``: ``None`` reads rank and world size from ``torch.distributed`` when it is
+    initialised, or pass ``(rank, world_size)``. ``loader_kwargs`` go to the backend's loader
+    (fastload ``DataLoader`` or ``DALILoader``) unchanged.
+    """
+    try:
+        backend = Backend(backend)
+    except ValueError:
+        raise ValueError(f"backend must be one of {', '.join(b.value for b in Backend)}, got {backend!r}") from None
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not isinstance(crop, int) or crop < 1:
+        raise ValueError(f"crop must be a positive int, got {crop!r}")
+    if not 0 < resize_ratio <= 1:
+        raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
+    dev = _device(device)
+    shuffle = train if shuffle is None else bool(shuffle)
+    drop_last = train if drop_last is None else bool(drop_last)
+    extra = dict(loader_kwargs or {})
+
+    if backend is Backend.DALI:
+        from .gpu.dali import DALILoader
+
+        if num_workers is not None:
+            extra.setdefault("num_threads", num_workers)
+        return DALILoader(
+            root, batch_size, device="gpu" if dev.type == "cuda" else "cpu",
+            device_id=dev.index if dev.type == "cuda" else None,
+            shuffle=shuffle, seed=seed, drop_last=drop_last, crop=crop, mean=mean, std=std,
+            distributed=distributed, train=train, dtype=dtype, channels_last=channels_last,
+            scale=scale, ratio=ratio, resize_ratio=resize_ratio, **extra,
+        )
+
+    from .data.dataset import ImageFolder
+    from .data.loader import DataLoader
+    from .gpu.prefetcher import CUDAPrefetcher
+    from .transforms import CenterCrop, Compose, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+    if train:
+        transform = Compose([RandomResizedCrop(crop, scale=scale, ratio=ratio), RandomHorizontalFlip()])
+    else:
+        transform = Compose([Resize(max(crop, int(round(crop / resize_ratio)))), CenterCrop(crop)])
+    dataset = ImageFolder(root, transform=transform, seed=seed)
+    loader = DataLoader(
+        dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        num_workers=num_workers, distributed=distributed, **extra,
+    )
+    return CUDAPrefetcher(loader, dev, mean=mean, std=std, dtype=dtype, channels_last=channels_last, depth=depth)
