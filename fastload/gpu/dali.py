@@ -318,12 +318,10 @@ class DALILoader:
 
     # -- the pipeline --------------------------------------------------------------------
     def _start_method(self) -> str:
-        if self.py_start_method is not None:
-            return self.py_start_method
-        import torch
-
-        # Forking a process that holds a CUDA context is unsupported: spawn then.
-        return "spawn" if torch.cuda.is_initialized() or self.device == "gpu" else "fork"
+        # Spawn by default: forking is unsafe once this process holds a CUDA context, and a
+        # forked child inherits py-lmdb's "already open in this process" registry, so it
+        # could not open a shard the parent had open.
+        return self.py_start_method or "spawn"
 
     def _build(self, base_epoch: int, start_batch: int) -> None:
         self.close()
