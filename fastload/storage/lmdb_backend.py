@@ -13,6 +13,7 @@ import contextlib
 import io
 import os
 import struct
+import threading
 from pathlib import Path
 
 import lmdb
@@ -117,6 +118,43 @@ def _open_readonly(path: Path) -> lmdb.Environment:
         raise FormatError(f"{path}: not a readable LMDB shard ({exc})") from None
 
 
+# py-lmdb refuses to open one file twice in a process, so every reader of a shard in this
+# process shares one environment (reference-counted); each keeps its own read transaction.
+_ENVS: dict[str, list] = {}  # resolved path -> [pid, env, refs]
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: Path) -> lmdb.Environment:
+    key, pid = str(Path(path).resolve()), os.getpid()
+    with _ENVS_LOCK:
+        ent = _ENVS.get(key)
+        if ent is not None and ent[0] == pid:
+            ent[2] += 1
+            return ent[1]
+        if ent is not None:
+            # Inherited through fork: not ours to use, and py-lmdb refuses a second open of the
+            # file until it is closed. Closing it here only unmaps the child's copy.
+            try:
+                ent[1].close()
+            except Exception:  # pragma: no cover - best effort
+                pass
+        env = _open_readonly(path)
+        _ENVS[key] = [pid, env, 1]
+        return env
+
+
+def _release_env(path: Path, env: lmdb.Environment) -> None:
+    key = str(Path(path).resolve())
+    with _ENVS_LOCK:
+        ent = _ENVS.get(key)
+        if ent is None or ent[1] is not env or ent[0] != os.getpid():
+            return
+        ent[2] -= 1
+        if ent[2] <= 0:
+            del _ENVS[key]
+            env.close()
+
+
 class LMDBShardReader(ShardReader):
     def __init__(self, path: Path, num_samples: int):
         super().__init__(path, num_samples)
@@ -127,14 +165,14 @@ class LMDBShardReader(ShardReader):
         return ("_env", "_txn")
 
     def _open(self) -> None:
-        self._env = _open_readonly(self.path)
+        self._env = _acquire_env(self.path)
         self._txn = self._env.begin(buffers=True)
 
     def _close(self) -> None:
         if self._txn is not None:
             self._txn.abort()
         if self._env is not None:
-            self._env.close()
+            _release_env(self.path, self._env)
 
     def _get(self, i: int):
         try:
@@ -152,11 +190,11 @@ class LMDBShardReader(ShardReader):
         if self._pid == os.getpid() and self._env is not None:
             yield self._env
             return
-        env = _open_readonly(self.path)
+        env = _acquire_env(self.path)
         try:
             yield env
         finally:
-            env.close()
+            _release_env(self.path, env)
 
     def read_index(self) -> ShardIndex:
         with self._borrow_env() as env, env.begin() as txn:
