@@ -1,0 +1,187 @@
+"""Shard storage: LMDB/HDF5 writers and readers, PackReader, pickling, fork safety, refusals."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastload.errors import FormatError
+from fastload.schema import Manifest, manifest_name, shard_name, write_manifest
+from fastload.storage import StringTable, make_shard_reader, make_shard_writer, open_pack
+
+BACKENDS = ("lmdb", "hdf5")
+
+
+def _records(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def _write_pack(root: Path, backend: str, shards: list[list[bytes]], classes=("a", "b", "c")) -> list[bytes]:
+    """A real pack written with the storage API (no codec involved: storage moves bytes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    entries, flat = [], []
+    for k, recs in enumerate(shards):
+        w = make_shard_writer(backend, root / shard_name(backend, 0, 1, k))
+        for i, r in enumerate(recs):
+            w.append(r, label=(len(flat) + i) % len(classes), shape=(i + 1, 2 * i + 1, 3), path=f"dir/ü{len(flat) + i}.jpg")
+        assert not w.path.exists()  # no final name before finish
+        entries.append(w.finish())
+        assert not w.tmp_path.exists() and w.path.exists()
+        flat += recs
+    write_manifest(root / manifest_name(0, 1), Manifest(
+        backend=backend, payload="raw", num_samples=len(flat), classes=tuple(classes), shards=tuple(entries)))
+    return flat
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip_multi_shard(tmp_path, backend):
+    recs = _records(23)
+    recs[5] = b""  # an empty payload is a valid record
+    flat = _write_pack(tmp_path / "p", backend, [recs[:10], recs[10:11], recs[11:]])
+    r = open_pack(tmp_path / "p")
+    assert len(r) == 23 and r.classes == ("a", "b", "c")
+    assert [r.locate(i) for i in (0, 9, 10, 11, 22, -1)] == [(0, 0), (0, 9), (1, 0), (2, 0), (2, 11), (2, 11)]
+    for i, want in enumerate(flat):
+        assert bytes(r.get(i)) == want
+    idx = r.index
+    assert idx.labels.dtype == np.int64 and idx.labels.tolist() == [i % 3 for i in range(23)]
+    assert idx.shapes.dtype == np.int32 and idx.shapes.shape == (23, 3)
+    assert idx.paths[12] == "dir/ü12.jpg" and len(idx.paths) == 23
+    with pytest.raises(IndexError):
+        r.get(23)
+    assert r.verify_checksums() == []
+    r.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_are_byte_identical(tmp_path, backend):
+    recs = _records(300, seed=3)  # > one LMDB commit batch
+    _write_pack(tmp_path / "a", backend, [recs])
+    _write_pack(tmp_path / "b", backend, [recs])
+    name = shard_name(backend, 0, 1, 0)
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_leaves_nothing(tmp_path, backend):
+    w = make_shard_writer(backend, tmp_path / shard_name(backend, 0, 1, 0))
+    w.append(b"abc", label=0, shape=(1, 1, 3), path="x")
+    w.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _child_reads(reader, i, q):
+    try:
+        q.put(bytes(reader.get(i)))
+    except Exception as exc:  # report, rather than leave the parent waiting
+        q.put(repr(exc))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pickles_small_and_reads_in_forked_and_spawned_children(tmp_path, backend):
+    flat = _write_pack(tmp_path / "p", backend, [_records(50, 1), _records(50, 2)])
+    r = open_pack(tmp_path / "p")
+    assert bytes(r.get(3)) == flat[3]  # parent has open handles now
+    _ = r.index
+    blob = pickle.dumps(r)
+    assert len(blob) < 4096, len(blob)  # no handles, no index, no payloads
+    r2 = pickle.loads(blob)
+    assert bytes(r2.get(77)) == flat[77]
+    for method in ("fork", "spawn"):
+        ctx = multiprocessing.get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_reads, args=(r, 60, q))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(timeout=60)
+        assert p.exitcode == 0 and got == flat[60], method
+    assert bytes(r.get(61)) == flat[61]  # the parent's handles still work after the fork
+    r.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refuses_truncated_shard(tmp_path, backend):
+    _write_pack(tmp_path / "p", backend, [_records(20)])
+    shard = tmp_path / "p" / shard_name(backend, 0, 1, 0)
+    shard.write_bytes(shard.read_bytes()[:-512])
+    with pytest.raises(FormatError, match=r"shard-00000\.\w+: size \d+ bytes, manifest says \d+: shard truncated"):
+        open_pack(tmp_path / "p")
+    shard.unlink()
+    with pytest.raises(FormatError, match="missing"):
+        open_pack(tmp_path / "p")
+
+
+def test_refuses_future_shard_version(tmp_path):
+    import h5py
+    import lmdb
+
+    _write_pack(tmp_path / "l", "lmdb", [_records(3)])
+    path = tmp_path / "l" / "shard-00000.lmdb"
+    env = lmdb.open(str(path), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"\xffformat", b"fastload/99")
+    env.close()
+    with pytest.raises(FormatError, match="version 99 is newer"):
+        make_shard_reader("lmdb", path, 3).read_index()
+    _write_pack(tmp_path / "h", "hdf5", [_records(3)])
+    path = tmp_path / "h" / "shard-00000.h5"
+    with h5py.File(path, "r+") as f:
+        f.attrs["version"] = 99
+    with pytest.raises(FormatError, match="newer than this fastload"):
+        make_shard_reader("hdf5", path, 3).read_index()
+
+
+def test_refuses_future_manifest_version(tmp_path):
+    import json
+
+    _write_pack(tmp_path / "p", "lmdb", [_records(3)])
+    m = tmp_path / "p" / "manifest.json"
+    d = json.loads(m.read_text())
+    d["version"] = 99
+    m.write_text(json.dumps(d))
+    with pytest.raises(FormatError, match="format version 99 is not supported"):
+        open_pack(tmp_path / "p")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_not_a_shard(tmp_path, backend):
+    p = tmp_path / f"junk{'.lmdb' if backend == 'lmdb' else '.h5'}"
+    p.write_bytes(b"\x00" * 8192)
+    with pytest.raises(FormatError):
+        make_shard_reader(backend, p, 1).read_index()
+
+
+def test_index_count_mismatch_is_refused(tmp_path):
+    _write_pack(tmp_path / "p", "hdf5", [_records(4)])
+    with pytest.raises(FormatError, match="index has 4 records, manifest says 5"):
+        make_shard_reader("hdf5", tmp_path / "p" / "shard-00000.h5", 5).read_index()
+
+
+@pytest.mark.slow
+def test_lmdb_map_grows_past_its_initial_size(tmp_path):
+    big = [bytes([i]) * (30 << 20) for i in range(3)]  # 90 MiB > the 64 MiB initial map
+    w = make_shard_writer("lmdb", tmp_path / "shard-00000.lmdb", shard_size=1 << 20)
+    for i, b in enumerate(big):
+        w.append(b, label=0, shape=(1, 1, 3), path=str(i))
+    entry = w.finish()
+    r = make_shard_reader("lmdb", tmp_path / entry.file, 3)
+    assert [bytes(r.get(i)[:1]) for i in range(3)] == [b"\x00", b"\x01", b"\x02"]
+    assert len(r.get(2)) == 30 << 20
+    r.close()
+
+
+def test_string_table():
+    items = ["a", "", "ünï/cödé.jpg", "x" * 300]
+    t = StringTable.from_strings(items)
+    assert list(t) == items and len(t) == 4 and t[-1] == items[-1]
+    both = StringTable.concat([t, StringTable.from_strings(["z"])])
+    assert list(both) == items + ["z"]
+    assert StringTable.concat([]) == StringTable.from_strings([])
+    assert t.blob.dtype == np.uint8 and t.offsets.dtype == np.int64
+    with pytest.raises(IndexError):
+        t[4]
