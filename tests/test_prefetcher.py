@@ -264,24 +264,31 @@ def test_cuda_buffer_lifetime_old_batches_stay_intact():
     torch.cuda.synchronize()
     for x, s, (h, _) in zip(kept, sums, batches):
         assert x.double().sum().item() == s
-        assert torch.equal(x.cpu(), h.float() / 255)
+        assert torch.equal(x.cpu(), normalize(h))
+
+
+def _consume(p, stop=None) -> int:
+    n = 0
+    for i, batch in enumerate(p):
+        n += 1
+        del batch
+        if stop is not None and i == stop:
+            break
+    return n
 
 
 @pytest.mark.cuda
 def test_cuda_no_memory_growth_over_epochs_and_early_break():
     batches = _host_batches(20, size=32)
     p = CUDAPrefetcher(batches, "cuda")
-    for _ in p:
-        pass
+    assert _consume(p) == 20
     torch.cuda.synchronize()
+    gc.collect()
     base = torch.cuda.memory_allocated()
     streams = list(p._streams)
     for _ in range(5):
-        for i, (x, _) in enumerate(p):
-            if i == 7:
-                break
-        for _ in p:
-            pass
+        assert _consume(p, stop=7) == 8
+        assert _consume(p) == 20
     torch.cuda.synchronize()
     gc.collect()
     assert torch.cuda.memory_allocated() <= base
@@ -298,5 +305,6 @@ def test_cuda_unpinned_and_pinned_inputs_and_state_passthrough():
     assert p.state_dict() == {"epoch": 0, "pos": 1}
     it.close()
     pinned = [(_images(0).pin_memory(), torch.arange(4).pin_memory())]
-    (xo, yo), = list(CUDAPrefetcher(pinned, "cuda", channels_last=False))
-    assert torch.equal(xo.cpu(), pinned[0][0].float() / 255)
+    ((xo, yo),) = list(CUDAPrefetcher(pinned, "cuda", channels_last=False))
+    assert torch.equal(xo.cpu(), normalize(pinned[0][0]))
+    assert torch.equal(yo.cpu(), torch.arange(4))

@@ -106,7 +106,6 @@ class CUDAPrefetcher:
         self._streams: list[torch.cuda.Stream] | None = None
         self._events: list[torch.cuda.Event] | None = None
         self._state: dict | None = None  # loader state after the last batch handed out
-        self._active: Iterator | None = None
 
     @staticmethod
     def _resolve_device(device) -> torch.device:
@@ -163,6 +162,7 @@ class CUDAPrefetcher:
             s = torch.tensor(scale, dtype=torch.float32).view(channels, 1, 1)
             b = torch.tensor(shift, dtype=torch.float32).view(channels, 1, 1)
             if self.device.type == "cuda":
+                self._ensure_streams()
                 s, b = s.to(self.device), b.to(self.device)
                 # Made on the current stream, read on the side streams: finish the copy now,
                 # and tell the allocator the side streams use them.
