@@ -7,7 +7,6 @@ import gc
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 

@@ -21,11 +21,13 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BatchAugment",
+    "apply_scale_shift",
     "flip_batch",
     "normalize",
     "random_flip",
     "random_resized_crop",
     "sample_crop_boxes",
+    "scale_shift",
     "uniform",
 ]
 
