@@ -318,9 +318,9 @@ class DALILoader:
 
     # -- the pipeline --------------------------------------------------------------------
     def _start_method(self) -> str:
-        # Spawn by default: forking is unsafe once this process holds a CUDA context, and a
-        # forked child inherits py-lmdb's "already open in this process" registry, so it
-        # could not open a shard the parent had open.
+        # Spawn by default: forking is unsafe once this process holds a CUDA context (a
+        # training script has one before it builds the loader), and a fresh worker inherits
+        # no open LMDB/HDF5 state. The callable pickles small, so spawning costs ~1 s per build.
         return self.py_start_method or "spawn"
 
     def _build(self, base_epoch: int, start_batch: int) -> None:
