@@ -27,6 +27,7 @@ _LAZY = {
     "PackReader": ".storage",
     "get_codec": ".codecs",
     "make_image_folder": ".sample",
+    "make_loader": ".loaders",
     "open_pack": ".storage",
 }
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .data.dataset import ImageFolder
     from .data.loader import DataLoader
     from .gpu.prefetcher import CUDAPrefetcher
+    from .loaders import make_loader
     from .errors import DecodeError, FastloadError, FormatError, PackError
     from .sample import make_image_folder
     from .schema import Manifest
