@@ -394,6 +394,14 @@ class _PackRun:
         except OSError:
             return 0
 
+    def _remove_own_tmp(self) -> None:
+        own = _own_patterns(self.cfg.part, self.cfg.parts)
+        try:
+            names = os.listdir(self.dest)
+        except OSError:
+            return
+        _remove(self.dest / n for n in names if n.endswith(("tmp", "tmp-lock")) and _matches(n, own))
+
     def _abort_writer(self) -> None:
         if self.writer is not None:
             try:
@@ -419,6 +427,7 @@ class _PackRun:
         except BaseException as exc:
             tmp_size = self._tmp_size()
             self._abort_writer()
+            self._remove_own_tmp()  # an interrupt can land between creating a file and tracking it
             if isinstance(exc, Exception) and not isinstance(exc, FastloadError):
                 err = _write_failure(exc, self.dest, tmp_size)
                 if err is not None:

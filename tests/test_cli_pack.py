@@ -229,7 +229,7 @@ def test_ctrl_c_cleans_up_and_rerun_resumes(big_src, tmp_path):
     assert run_cli("pack", big_src, clean, *args, "-q").returncode == 0
     dest = tmp_path / "dest"
     proc = _start(["pack", big_src, dest, *args])
-    _wait_for("shard-00000.h5", dest, proc)
+    _wait_for("shard-00001.h5", dest, proc)  # so shard 0 is surely in the journal
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
