@@ -23,16 +23,20 @@ _LAZY = {
     "FormatError": ".errors",
     "ImageFolder": ".data.dataset",
     "Manifest": ".schema",
+    "OnError": ".config",
+    "PackConfig": ".config",
     "PackError": ".errors",
     "PackReader": ".storage",
+    "PackSummary": ".pack",
     "get_codec": ".codecs",
     "make_image_folder": ".sample",
     "make_loader": ".loaders",
     "open_pack": ".storage",
+    "scan_source": ".pack",
 }
 
 # Public submodules, also imported on first attribute access (``fastload.transforms``).
-_SUBMODULES = ("dali", "train", "transforms")
+_SUBMODULES = ("dali", "pack", "train", "transforms")
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
@@ -55,7 +59,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import dali, train, transforms
+    from . import dali, pack, train, transforms
+    from .config import OnError, PackConfig
+    from .pack import PackSummary, scan_source
     from .codecs import get_codec
     from .data.dataset import ImageFolder
     from .data.loader import DataLoader
