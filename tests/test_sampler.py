@@ -95,3 +95,31 @@ def test_load_state_refuses_a_different_run():
         s.load_state_dict({**s.state_dict(), "n": 11})
     with pytest.raises(ValueError, match="offset"):
         s.load_state_dict({**s.state_dict(), "offset": 99})
+
+
+@pytest.mark.slow
+def test_real_torchrun_two_ranks_cover_the_dataset(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    script = Path(__file__).with_name("ddp_loader_indices.py")
+    n, batch = 37, 4
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path), str(n), str(batch)],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy")
+    assert r0.shape == r1.shape == (2, 19)  # ceil(37 / 2) each, padded by wrapping
+    for epoch in range(2):
+        union = np.concatenate([r0[epoch], r1[epoch]])
+        assert set(union.tolist()) == set(range(n))
+        assert np.array_equal(r0[epoch], epoch_indices(n, seed=3, epoch=epoch, rank=0, world_size=2))
+        assert np.array_equal(r1[epoch], epoch_indices(n, seed=3, epoch=epoch, rank=1, world_size=2))
+    assert not np.array_equal(r0[0], r0[1])
