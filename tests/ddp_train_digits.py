@@ -1,0 +1,44 @@
+"""Run by tests/test_train_ddp.py under ``torchrun --nproc_per_node=2`` (gloo, CPU).
+
+Trains the digits recipe with DDP and gradient accumulation, then each rank writes its
+final weights and validation accuracy to OUT/rank<k>.pt for the test to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_helpers import TensorBatches, digits_recipe, read_pack_tensors  # noqa: E402
+
+from fastload import train  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("train_pack")
+    ap.add_argument("val_pack")
+    ap.add_argument("out")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--accum", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    info = train.init_distributed()
+    assert info.world_size == int(os.environ["WORLD_SIZE"])
+    xtr, ytr = read_pack_tensors(Path(args.train_pack))
+    xva, yva = read_pack_tensors(Path(args.val_pack))
+    tl = TensorBatches(xtr, ytr, batch_size=args.batch_size, rank=info.rank, world_size=info.world_size)
+    vl = TensorBatches(xva, yva, batch_size=128, shuffle=False, rank=info.rank, world_size=info.world_size)
+    trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum)
+    torch.save({"rank": info.rank, "world_size": info.world_size, "state": trainer.module.state_dict(),
+                "history": hist, "steps": trainer.step}, Path(args.out) / f"rank{info.rank}.pt")
+    train.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
