@@ -1,0 +1,273 @@
+"""Loader throughput: baselines vs fastload vs the decode ceiling, all in one run.
+
+    python benchmarks/bench_loader.py --images 5000 --workers 2 --batch 256
+
+On the sample generator's tree (ImageNet-like ~500x375 JPEGs), every loader produces
+224x224 RandomResizedCrop + flip uint8 batches (baseline A: float, as its users do):
+
+* baseline A: an ImageFolder-equivalent reading the original files with PIL, PIL
+  RandomResizedCrop + flip + ToTensor, through torch's DataLoader (torchvision's pipeline,
+  re-stated with PIL/numpy since torchvision may be absent);
+* baseline B: FFCV at the same stored pixel count, when ``ffcv`` imports (else a printed reason);
+* fastload: payload ``original``, ``jpeg`` at ``--resize 256`` and ``raw`` at ``--size 256x256``,
+  on LMDB and on HDF5;
+* the ceiling: ``--workers`` processes at once, each in a tight loop of record get + decode +
+  RandomResizedCrop + flip over its share of the same records, and nothing else.
+
+Each loader runs one warm-up epoch (page cache, workers started), then one timed epoch.
+Prints images/s and ratios and writes the ``bench_loader`` section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import table, write_section  # noqa: E402
+
+OUT = 224
+
+
+# -- baseline A: what most training scripts do ----------------------------------------------
+
+
+class PILImageFolder:
+    """torchvision.datasets.ImageFolder + RandomResizedCrop + RandomHorizontalFlip + ToTensor,
+    re-stated with PIL and numpy (same decode, same resampling, float CHW output)."""
+
+    def __init__(self, root: Path):
+        self.samples = []
+        classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+        for c, name in enumerate(classes):
+            for f in sorted((root / name).iterdir()):
+                self.samples.append((str(f), c))
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        import torch
+        from PIL import Image
+
+        from fastload.transforms import RandomResizedCrop
+
+        path, target = self.samples[i]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")
+        top, left, h, w = RandomResizedCrop(OUT).get_params((img.height, img.width), np.random.default_rng())
+        img = img.resize((OUT, OUT), Image.BILINEAR, box=(left, top, left + w, top + h))
+        if random.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
+        return t, target
+
+
+def time_loader(loader, *, warmup_epochs: int = 1) -> float:
+    """images/s over one full epoch after ``warmup_epochs``."""
+    for _ in range(warmup_epochs):
+        for _ in loader:
+            pass
+    n = 0
+    t0 = time.perf_counter()
+    for images, _ in loader:
+        n += images.shape[0]
+    return n / (time.perf_counter() - t0)
+
+
+def bench_baseline_a(src: Path, batch: int, workers: int) -> float:
+    import torch.utils.data as tud
+
+    loader = tud.DataLoader(PILImageFolder(src), batch_size=batch, shuffle=True, num_workers=workers,
+                            persistent_workers=workers > 0, drop_last=False)
+    return time_loader(loader)
+
+
+def bench_ffcv(src: Path, workdir: Path, batch: int, workers: int, images: int) -> tuple[float | None, str]:
+    try:
+        import ffcv  # noqa: F401
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+        from ffcv.loader import Loader, OrderOption
+        from ffcv.transforms import RandomHorizontalFlip, ToTensor
+        from ffcv.writer import DatasetWriter
+    except Exception as exc:  # ImportError, or a broken native build
+        return None, f"FFCV not importable ({type(exc).__name__}: {exc}); pip install ffcv to compare"
+
+    class _Src:
+        def __init__(self, ds):
+            self.ds = ds
+
+        def __len__(self):
+            return len(self.ds)
+
+        def __getitem__(self, i):
+            from PIL import Image
+
+            path, target = self.ds.samples[i]
+            return Image.open(path).convert("RGB"), target
+
+    beton = workdir / "ffcv.beton"
+    writer = DatasetWriter(str(beton), {
+        "image": RGBImageField(write_mode="jpg", max_resolution=341, jpeg_quality=90),
+        "label": IntField(),
+    }, num_workers=workers)
+    writer.from_indexed_dataset(_Src(PILImageFolder(src)))
+    loader = Loader(str(beton), batch_size=batch, num_workers=workers, order=OrderOption.RANDOM,
+                    pipelines={"image": [RandomResizedCropRGBImageDecoder((OUT, OUT)), RandomHorizontalFlip(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor()]})
+    return time_loader(loader), "max_resolution 341, JPEG q90"
+
+
+# -- fastload --------------------------------------------------------------------------------
+
+
+def _augment():
+    from fastload.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    return Compose([RandomResizedCrop(OUT), RandomHorizontalFlip()])
+
+
+def bench_fastload(pack: Path, batch: int, workers: int) -> tuple[float, str]:
+    from fastload.data.dataset import ImageFolder
+    from fastload.data.loader import DataLoader
+
+    ds = ImageFolder(pack, _augment())
+    loader = DataLoader(ds, batch, num_workers=workers, seed=0)
+    try:
+        return time_loader(loader), ds.decoder
+    finally:
+        loader.close()
+
+
+def _ceiling_worker(args) -> int:
+    pack, indices, start_at = args
+    from fastload.data.dataset import ImageFolder
+
+    ds = ImageFolder(pack, _augment())
+    for i in indices[:64]:  # open the shard, touch the code paths
+        ds.load(int(i), epoch=1)
+    while time.time() < start_at:  # start together
+        time.sleep(0.001)
+    for i in indices:
+        ds.load(int(i), epoch=0)
+    return len(indices)
+
+
+def bench_ceiling(pack: Path, workers: int) -> float:
+    """``workers`` processes, each a tight get + decode + RandomResizedCrop + flip loop."""
+    from fastload.storage import open_pack
+
+    n = len(open_pack(pack))
+    order = np.random.default_rng(0).permutation(n)
+    shares = np.array_split(order, workers)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        start_at = time.time() + 1.0
+        res = pool.map_async(_ceiling_worker, [(pack, s, start_at) for s in shares])
+        done = res.get()
+        elapsed = time.time() - start_at
+    return sum(done) / elapsed
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=5000, help="images in the generated tree (default 5000)")
+    ap.add_argument("--workers", type=int, default=2, help="loader workers and ceiling processes (default 2)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--workdir", type=Path, default=None, help="where to build the tree and packs (default: a temp dir)")
+    ap.add_argument("--skip-baseline", action="store_true", help="skip baseline A (slow)")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
+    args = ap.parse_args(argv)
+
+    from fastload.config import PackConfig
+    from fastload.pack import pack
+    from fastload.sample import make_image_folder
+
+    tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench_loader-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    classes = 8 if args.images >= 80 else 2
+    per_class = math.ceil(args.images / classes)
+    src = tmp / "src"
+    if not src.exists():
+        print(f"generating {classes * per_class} JPEGs in {src} ...", flush=True)
+        make_image_folder(src, num_classes=classes, per_class=per_class, workers=args.workers)
+    variants = [
+        ("original", dict(payload="original")),
+        ("jpeg@256", dict(payload="jpeg", resize=256, quality=90)),
+        ("raw@256x256", dict(payload="raw", size=(256, 256))),
+    ]
+    packs = {}
+    for name, opts in variants:
+        for backend in ("lmdb", "hdf5"):
+            dest = tmp / f"{name.replace('@', '_')}_{backend}"
+            if not (dest / "manifest.json").exists():
+                print(f"packing {name} ({backend}) ...", flush=True)
+                pack(src, dest, config=PackConfig(backend=backend, workers=args.workers, progress=False, **opts))
+            packs[(name, backend)] = dest
+
+    rows, notes = [], []
+    res: dict[str, float] = {}
+    if not args.skip_baseline:
+        print("baseline A (PIL ImageFolder + RandomResizedCrop + ToTensor) ...", flush=True)
+        res["A"] = bench_baseline_a(src, args.batch, args.workers)
+        rows.append(["baseline A: PIL ImageFolder + RRC + ToTensor (torch DataLoader)", "files", res["A"], ""])
+    print("baseline B (FFCV) ...", flush=True)
+    ffcv_rate, ffcv_note = bench_ffcv(src, tmp, args.batch, args.workers, args.images)
+    if ffcv_rate is None:
+        print(f"  skipped: {ffcv_note}")
+        notes.append(f"Baseline B skipped: {ffcv_note}.")
+    else:
+        res["B"] = ffcv_rate
+        rows.append(["baseline B: FFCV RRC + flip", ffcv_note, ffcv_rate, ""])
+    for name, _ in variants:
+        print(f"ceiling {name} ({args.workers} processes, lmdb) ...", flush=True)
+        res[f"ceil {name}"] = bench_ceiling(packs[(name, "lmdb")], args.workers)
+        for backend in ("lmdb", "hdf5"):
+            print(f"fastload {name} ({backend}) ...", flush=True)
+            rate, decoder = bench_fastload(packs[(name, backend)], args.batch, args.workers)
+            res[f"{name} {backend}"] = rate
+            rows.append([f"fastload {name}", f"{backend}, decoder {decoder}", rate,
+                         f"{rate / res[f'ceil {name}']:.0%} of ceiling"])
+        rows.append([f"ceiling {name}: {args.workers} procs get+decode+RRC+flip", "lmdb", res[f"ceil {name}"], ""])
+
+    ratios = []
+    if "B" in res:
+        ratios.append(f"jpeg@256 (lmdb) / FFCV: {res['jpeg@256 lmdb'] / res['B']:.2f}x (target >= 2x)")
+    if "A" in res:
+        ratios.append(f"raw@256x256 (lmdb) / baseline A: {res['raw@256x256 lmdb'] / res['A']:.1f}x (target >= 25x)")
+        ratios.append(f"jpeg@256 (lmdb) / baseline A: {res['jpeg@256 lmdb'] / res['A']:.1f}x")
+    ratios.append(f"jpeg@256 (lmdb) / its ceiling: {res['jpeg@256 lmdb'] / res['ceil jpeg@256']:.0%} (target >= 85%)")
+    ratios.append(f"raw@256x256 (lmdb) / its ceiling: {res['raw@256x256 lmdb'] / res['ceil raw@256x256']:.0%} (target >= 85%)")
+
+    body = (
+        f"{classes * per_class} generated ~500x375 JPEGs, output {OUT}x{OUT} RandomResizedCrop + flip, "
+        f"batch {args.batch}, {args.workers} workers, warm page cache (one warm-up epoch, then one timed epoch).\n\n"
+        + table(["loader", "storage", "images/s", "vs ceiling"], rows)
+        + "\n\n" + "\n".join(f"- {r}" for r in ratios)
+        + ("\n\n" + "\n".join(notes) if notes else "")
+    )
+    print()
+    print(body)
+    if not args.no_write:
+        write_section("bench_loader", body)
+    if args.workdir is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
