@@ -295,3 +295,15 @@ def test_keyboard_interrupt_stops_workers(jpeg_pack, tmp_path):
     time.sleep(0.5)
     assert not any(_alive(int(p)) for p in pids)
     assert not os.path.exists(ring)
+
+
+@pytest.mark.cuda
+def test_ring_slots_are_pinned_and_copy_to_the_gpu(jpeg_pack):
+    loader = DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=2, pin_memory=True)
+    ref = collect(DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=0, pin_memory=False))
+    for k, (images, targets) in enumerate(loader):
+        assert images.is_pinned()
+        gpu = images.cuda(non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(gpu.cpu(), ref[k][0])
+    loader.close()
