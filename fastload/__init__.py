@@ -19,6 +19,7 @@ _LAZY = {
     "CUDAPrefetcher": ".gpu.prefetcher",
     "DataLoader": ".data.loader",
     "DecodeError": ".errors",
+    "DistributedEpochSampler": ".data.sampler",
     "FastloadError": ".errors",
     "FormatError": ".errors",
     "ImageFolder": ".data.dataset",
@@ -28,6 +29,7 @@ _LAZY = {
     "PackError": ".errors",
     "PackReader": ".storage",
     "PackSummary": ".pack",
+    "epoch_indices": ".data.sampler",
     "get_codec": ".codecs",
     "make_image_folder": ".sample",
     "make_loader": ".loaders",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .codecs import get_codec
     from .data.dataset import ImageFolder
     from .data.loader import DataLoader
+    from .data.sampler import DistributedEpochSampler, epoch_indices
     from .gpu.prefetcher import CUDAPrefetcher
     from .loaders import make_loader
     from .errors import DecodeError, FastloadError, FormatError, PackError
