@@ -43,62 +43,6 @@ def pack_digits(root: Path, *, payload: str = "png") -> tuple[Path, Path]:
     return root / "train", root / "val"
 
 
-def read_pack_tensors(pack_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images of a pack as one uint8 N x C x H x W tensor, and int64 labels (read via fastload)."""
-    from fastload.codecs import get_codec
-    from fastload.storage import open_pack
-
-    reader = open_pack(pack_dir)
-    codec = get_codec(reader.payload)
-    idx = reader.index
-    imgs = np.stack([codec.decode(reader.get(i), shape=tuple(idx.shapes[i])) for i in range(len(reader))])
-    reader.close()
-    x = torch.from_numpy(imgs).permute(0, 3, 1, 2).contiguous()
-    return x, torch.from_numpy(np.asarray(idx.labels, dtype=np.int64))
-
-
-class TensorBatches:
-    """A resumable, reshuffling batch iterable over in-memory tensors (the loader contract).
-
-    Same interface the Trainer uses from ``fastload.DataLoader``: ``len``, ``set_epoch``,
-    ``state_dict``/``load_state_dict`` (position in the epoch), and a per-rank shard.
-    """
-
-    def __init__(self, x, y, *, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1):
-        self.x, self.y, self.batch_size, self.seed, self.shuffle = x, y, batch_size, seed, shuffle
-        self.rank, self.world_size = rank, world_size
-        self.epoch = 0
-        self.pos = 0  # batches already yielded in this epoch
-
-    def _indices(self) -> torch.Tensor:
-        n = len(self.x)
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(n, generator=g) if self.shuffle else torch.arange(n)
-        per_rank = n // self.world_size
-        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
-
-    def __len__(self) -> int:
-        return -(-(len(self.x) // self.world_size) // self.batch_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.pos = epoch, 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
-
-    def __iter__(self):
-        idx = self._indices()
-        while self.pos < len(self):
-            b = idx[self.pos * self.batch_size:(self.pos + 1) * self.batch_size]
-            self.pos += 1
-            yield self.x[b], self.y[b]
-        self.pos = 0
-
-
 DIGITS_EPOCHS = 6
 
 

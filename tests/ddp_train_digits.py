@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _train_helpers import TensorBatches, digits_recipe, read_pack_tensors  # noqa: E402
+from _train_helpers import digits_recipe  # noqa: E402
 
 from fastload import train  # noqa: E402
+from fastload.data.dataset import ImageFolder  # noqa: E402
+from fastload.data.loader import DataLoader  # noqa: E402
 
 
 def main() -> None:
@@ -30,10 +32,10 @@ def main() -> None:
     torch.set_num_threads(1)
     info = train.init_distributed()
     assert info.world_size == int(os.environ["WORLD_SIZE"])
-    xtr, ytr = read_pack_tensors(Path(args.train_pack))
-    xva, yva = read_pack_tensors(Path(args.val_pack))
-    tl = TensorBatches(xtr, ytr, batch_size=args.batch_size, rank=info.rank, world_size=info.world_size)
-    vl = TensorBatches(xva, yva, batch_size=128, shuffle=False, rank=info.rank, world_size=info.world_size)
+    # distributed=None: the loaders read rank and world size from torch.distributed.
+    tl = DataLoader(ImageFolder(args.train_pack), args.batch_size, shuffle=True, seed=0, num_workers=0)
+    vl = DataLoader(ImageFolder(args.val_pack), 128, shuffle=False, num_workers=0)
+    assert (tl.rank, tl.world_size) == (info.rank, info.world_size)
     trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum)
     torch.save({"rank": info.rank, "world_size": info.world_size, "state": trainer.module.state_dict(),
                 "history": hist, "steps": trainer.step}, Path(args.out) / f"rank{info.rank}.pt")

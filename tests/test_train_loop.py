@@ -12,33 +12,36 @@ from fastload import train
 from fastload.errors import FormatError
 from fastload.train.models import SmallCNN
 
-from _train_helpers import DIGITS_EPOCHS, TensorBatches, digits_recipe, pack_digits, read_pack_tensors
+from _train_helpers import DIGITS_EPOCHS, digits_recipe, pack_digits
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """(train x, train y, val x, val y): digits packed by fastload and read back through it."""
-    root = tmp_path_factory.mktemp("digits")
-    tr, va = pack_digits(root)
-    return (*read_pack_tensors(tr), *read_pack_tensors(va))
+def digit_packs(tmp_path_factory):
+    """(train pack dir, val pack dir): scikit-learn's digits, 32x32 RGB, packed by fastload."""
+    return pack_digits(tmp_path_factory.mktemp("digits"))
 
 
 def _sgd(model, lr=0.05, momentum=0.9):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
 
-def test_small_cnn_learns_packed_digits(digits):
-    xtr, ytr, xva, yva = digits
-    assert xtr.dtype == torch.uint8 and xtr.shape[1:] == (3, 32, 32) and len(xva) > 400
-    trainer, hist = digits_recipe(TensorBatches(xtr, ytr, batch_size=64),
-                                  TensorBatches(xva, yva, batch_size=256, shuffle=False))
+def test_small_cnn_learns_packed_digits_through_fastload_loader(digit_packs):
+    from fastload.data.dataset import ImageFolder
+    from fastload.data.loader import DataLoader
+
+    tr, va = ImageFolder(digit_packs[0]), ImageFolder(digit_packs[1])
+    assert tr.classes == [f"digit_{i}" for i in range(10)] and len(va) > 400
+    train_loader = DataLoader(tr, 64, shuffle=True, seed=0, num_workers=1)
+    val_loader = DataLoader(va, 256, shuffle=False, num_workers=0)
+    trainer, hist = digits_recipe(train_loader, val_loader)
     assert [h["epoch"] for h in hist] == list(range(DIGITS_EPOCHS))
     assert hist[-1]["train"]["loss"] < hist[0]["train"]["loss"]
     assert hist[-1]["val"]["acc1"] >= 0.90, hist[-1]
-    assert hist[-1]["val"]["samples"] == len(xva)
+    assert hist[-1]["val"]["samples"] == len(va)
     st = hist[-1]["train"]
-    assert st["samples"] == len(xtr) and st["steps"] == -(-len(xtr) // 64)
+    assert st["samples"] == len(tr) and st["steps"] == -(-len(tr) // 64)
     assert 0.0 <= st["data_stall"] <= 1.0 and st["peak_memory_bytes"] > 0
+    assert train_loader.epoch == DIGITS_EPOCHS
 
 
 def _one_epoch_weights(batches, *, accum, seed=0, lr=0.5):
@@ -73,22 +76,45 @@ def test_accumulation_short_last_group_is_averaged_over_its_own_size():
         assert torch.allclose(ref[k], got[k], atol=1e-5, rtol=1e-4), k
 
 
-def _resume_setup(x, y):
+def _resume_setup(dataset):
+    from fastload.data.loader import DataLoader
+
     train.seed_everything(0)
     model = SmallCNN(num_classes=10, width=8)
     opt = _sgd(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     cfg = train.TrainConfig(accum_steps=2)
     trainer = train.Trainer(model, opt, config=cfg, device="cpu", scheduler=sched)
-    return trainer, TensorBatches(x, y, batch_size=32, seed=9)
+    return trainer, DataLoader(dataset, 32, shuffle=True, seed=9, num_workers=1)
 
 
-def test_mid_epoch_checkpoint_resume_gives_identical_weights(digits, tmp_path):
-    x, y = digits[0][:480], digits[1][:480]  # 15 micro-batches per epoch: a short last group too
-    full, loader = _resume_setup(x, y)
+@pytest.fixture(scope="module")
+def digits_subset(digit_packs):
+    """The first 480 training digits (15 batches of 32: a short last accumulation group too)."""
+    from fastload.data.dataset import ImageFolder
+
+    ds = ImageFolder(digit_packs[0])
+    return _Head(ds, 480)
+
+
+class _Head:
+    """The first ``n`` samples of a fastload dataset (keeps its fixed-shape batch filling)."""
+
+    def __init__(self, ds, n):
+        self.ds, self.n = ds, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.ds[i]
+
+
+def test_mid_epoch_checkpoint_resume_gives_identical_weights(digits_subset, tmp_path):
+    full, loader = _resume_setup(digits_subset)
     full.fit(loader, epochs=2)
 
-    first, loader = _resume_setup(x, y)
+    first, loader = _resume_setup(digits_subset)
     st = first.train_epoch(loader, max_steps=3)
     assert not st.completed and st.steps == 3 and st.samples == 6 * 32
     ckpt = tmp_path / "mid.pt"
@@ -96,19 +122,21 @@ def test_mid_epoch_checkpoint_resume_gives_identical_weights(digits, tmp_path):
     # keep training the first trainer a bit so its in-memory state differs from the file
     first.train_epoch(loader, max_steps=1)
 
-    second, loader2 = _resume_setup(x, y)
+    second, loader2 = _resume_setup(digits_subset)
     second.load_checkpoint(ckpt, loader=loader2)
     assert (second.epoch, second.step) == (0, 3)
+    assert loader2.state_dict()["batches"] == 6
     second.fit(loader2, epochs=2)
-    assert second.step == full.step
+    assert second.step == full.step == 2 * 8
     a, b = full.module.state_dict(), second.module.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert second.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
 
 
-def test_checkpoint_errors(tmp_path, digits):
-    trainer, loader = _resume_setup(digits[0][:128], digits[1][:128])
+def test_checkpoint_errors(tmp_path):
+    model = SmallCNN(num_classes=2, width=4)
+    trainer = train.Trainer(model, _sgd(model), device="cpu")
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(FormatError, match="bad.pt"):
