@@ -17,8 +17,15 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (plus a hint), not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastload", description="Fast image data loading for PyTorch.")
+    p = _OneLineErrors(prog="fastload", description="Fast image data loading for PyTorch.")
     p.add_argument("--version", action="version", version=f"fastload {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Each sub-command module adds its own parser and a `run(args) -> int`.
