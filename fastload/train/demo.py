@@ -150,8 +150,10 @@ def _loader_throughput(loader) -> tuple[float, int]:
 def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo; returns the summary (also written to ``workdir/summary.json``)."""
     from ..loaders import make_loader
-    from . import Trainer, TrainConfig, get_model, seed_everything
+    from . import Trainer, TrainConfig, available_models, get_model, seed_everything
 
+    if cfg.arch not in available_models():
+        raise ValueError(f"unknown model {cfg.arch!r}; choose from {', '.join(available_models())}")
     t_start = time.perf_counter()
     device = torch.device(cfg.device) if cfg.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
