@@ -218,3 +218,23 @@ def test_cuda_fp16_step_with_grad_scaler_and_channels_last():
     assert st.steps == 4 and torch.isfinite(torch.tensor(st.loss))
     assert trainer.scaler.is_enabled() and st.peak_memory_bytes > 0
     assert torch.backends.cudnn.benchmark
+
+
+@pytest.mark.slow
+def test_torch_compile_step_matches_eager_and_checkpoints_plain_names(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))
+            for _ in range(3)]
+    states = []
+    for compiled in (False, True):
+        train.seed_everything(0)
+        model = SmallCNN(num_classes=4, width=8)
+        trainer = train.Trainer(model, _sgd(model), config=train.TrainConfig(compile=compiled), device="cpu")
+        trainer.train_epoch(data)
+        states.append(trainer.module.state_dict())
+        if compiled:
+            trainer.save_checkpoint(tmp_path / "c.pt")
+            saved = torch.load(tmp_path / "c.pt", weights_only=False)["model"]
+            assert list(saved) == list(states[0]), "no _orig_mod. prefixes in checkpoints"
+    for k in states[0]:
+        assert torch.allclose(states[0][k], states[1][k], atol=1e-4, rtol=1e-3), k
