@@ -208,3 +208,69 @@ def test_index_errors(jpeg_pack):
     with pytest.raises(IndexError):
         ds[len(ds)]
     assert np.array_equal(ds[-1][0], ds[len(ds) - 1][0])
+
+
+_SHM_USER = """
+import hashlib, sys
+import numpy as np
+from fastload.data.dataset import ImageFolder
+from fastload.data.loader import DataLoader
+from fastload.transforms import CenterCrop
+
+def digest(ds):
+    h = hashlib.sha256()
+    for i in range(len(ds)):
+        h.update(np.ascontiguousarray(ds[i][0]).tobytes())
+    return h.hexdigest()
+
+if __name__ == "__main__":
+    pack = sys.argv[1]
+    ds = ImageFolder(pack, in_memory=True)
+    print(ds.reader.root, flush=True)
+    sys.stdin.readline()  # wait for the test's go
+    if sys.argv[2] == "user":
+        # After the creator has gone: a dataset opened now, and a spawned worker, still read it.
+        fresh = ImageFolder(pack, in_memory=True)
+        cropped = ImageFolder(pack, CenterCrop(32), in_memory=True)
+        loader = DataLoader(cropped, 8, num_workers=1, shuffle=False, multiprocessing_context="spawn")
+        spawned = sum(int(images.shape[0]) for images, _ in loader)
+        loader.close()
+        print(digest(fresh), spawned, flush=True)
+"""
+
+
+def test_in_memory_copy_outlives_its_creator_and_the_last_user_removes_it(sample_tree, tmp_path):
+    import subprocess
+    import sys
+
+    pack = make_pack(sample_tree, tmp_path / "pack", payload="jpeg")
+    disk = ImageFolder(pack)
+    import hashlib
+
+    h = hashlib.sha256()
+    for i in range(len(disk)):
+        h.update(disk[i][0].tobytes())
+    script = tmp_path / "shm_user.py"
+    script.write_text(_SHM_USER)
+
+    def start(role):
+        p = subprocess.Popen([sys.executable, str(script), str(pack), role], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return p, Path(p.stdout.readline().strip())
+
+    creator, dest = start("creator")
+    try:
+        assert dest.parent == Path("/dev/shm") and (dest / ".complete").exists()
+        user, dest2 = start("user")
+        assert dest2 == dest  # one copy per node
+        creator.communicate("go\n", timeout=60)
+        assert creator.returncode == 0
+        assert (dest / ".complete").exists(), "the creator removed the copy while another process used it"
+        out, err = user.communicate("go\n", timeout=120)
+        assert user.returncode == 0, err[-2000:]
+        assert out.split() == [h.hexdigest(), str(len(disk))]
+        assert not dest.exists() and not Path(f"{dest}.lock").exists(), "the last user left the copy behind"
+    finally:
+        for p in (creator, locals().get("user")):
+            if p is not None and p.poll() is None:
+                p.kill()

@@ -14,6 +14,7 @@ slot of a batch buffer. Each sample's randomness comes from ``(seed, epoch, inde
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import os
 import shutil
@@ -69,7 +70,12 @@ class ImageFolder:
     ``decoder``: ``"auto"`` or one of cv2, simplejpeg, jpeg4py, pil (JPEG payloads);
     :attr:`decoder` says which was chosen. ``in_memory=True`` copies the pack into
     ``/dev/shm`` once per node and reads it from there (every worker and rank on the node
-    shares those pages; nothing is copied per worker).
+    shares those pages; nothing is copied per worker). The copy stays while any process
+    that opened it (a rank, a spawned worker) is alive; the last one to exit removes it.
+
+    Every pack has labels (the packer reads an ImageFolder tree or ``path,label`` rows), so
+    this class also serves non-classification data: ignore ``target``, or map it with
+    ``target_transform``. There is no separate ``PackedDataset``.
     """
 
     def __init__(
@@ -286,6 +292,11 @@ class ImageFolder:
         state["_paths"] = None  # reread from the pack on demand: keeps pickles ~20 bytes/sample
         return state
 
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if self.in_memory:  # a spawned worker or another process: count as a user of the copy
+            _copy_to_shm(self.root)
+
 
 def _check_decoder(name: str) -> None:
     if name == "simplejpeg":
@@ -297,26 +308,64 @@ def _check_decoder(name: str) -> None:
 
 
 # -- in_memory: one copy of the pack per node, in /dev/shm --------------------------------
+#
+# The copy is named after the pack (its resolved path and manifests), so every process on the
+# node that asks for the same pack finds the same directory. Each user holds a shared flock on
+# a lock file next to it for as long as it lives (forked workers inherit it; spawned workers
+# take their own when the dataset is unpickled). At exit a user closes its lock and tries an
+# exclusive one: only the last user gets it, and removes the copy. Whoever arrives first
+# makes the copy (in a temporary directory renamed into place, so nobody reads half a copy);
+# a process killed with SIGKILL leaves it for the next user (the kernel drops its lock) or for
+# the OS (/dev/shm is emptied at reboot).
 
 _SHM = Path("/dev/shm")
-_created: list[tuple[int, Path]] = []  # (creating pid, copy)
+_attached: dict[Path, tuple[int, int]] = {}  # copy -> (pid that attached, lock fd)
 
 
-def _copy_to_shm(root: Path) -> Path:
-    """Copy the pack's files into /dev/shm once per node (keyed by its manifests) and return
-    the copy. Every process reading it maps the same pages. The process that made the copy
-    removes it at exit."""
-    if not _SHM.is_dir():
-        raise FastloadError("in_memory=True needs /dev/shm (a Linux tmpfs); read from disk instead")
-    manifests = sorted(p for p in root.glob("manifest*.json"))
+def _shm_name(root: Path) -> Path:
+    manifests = sorted(root.glob("manifest*.json"))
     if not manifests:
         raise FormatError(f"{root}: no manifest (not a fastload pack, or its packing never finished)")
     h = hashlib.sha256(str(root.resolve()).encode())
     for m in manifests:
         h.update(m.read_bytes())
-    dest = _SHM / f"fastload-{os.getuid()}-{h.hexdigest()[:16]}"
-    if (dest / ".complete").exists():
-        return dest
+    return _SHM / f"fastload-{os.getuid()}-{h.hexdigest()[:16]}"
+
+
+def _lock_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".lock")
+
+
+def _lock_shared(dest: Path) -> int:
+    """A shared flock on the copy's lock file (retrying if the last user removed that file
+    between our open and our lock)."""
+    lock = _lock_path(dest)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _copy_to_shm(root: Path) -> Path:
+    """The pack's node-wide copy in /dev/shm, made if missing; this process counts as a user
+    of it until it exits (see the comment above for who removes it)."""
+    if not _SHM.is_dir():
+        raise FastloadError("in_memory=True needs /dev/shm (a Linux tmpfs); read from disk instead")
+    dest = _shm_name(root)
+    pid = os.getpid()
+    if dest not in _attached or _attached[dest][0] != pid:
+        _attached[dest] = (pid, _lock_shared(dest))
+    if not (dest / ".complete").exists():
+        _make_copy(root, dest)
+    return dest
+
+
+def _make_copy(root: Path, dest: Path) -> None:
     files = [p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")]
     need = sum(p.stat().st_size for p in files)
     free = shutil.disk_usage(_SHM).free
@@ -335,16 +384,34 @@ def _copy_to_shm(root: Path) -> Path:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if (dest / ".complete").exists():  # another process on this node won the race
-            return dest
+            return
         raise
-    _created.append((os.getpid(), dest))
-    return dest
+
+
+def _detach(dest: Path, fd: int) -> None:
+    """Stop using the copy; remove it if no other process (or inherited descriptor) holds it."""
+    os.close(fd)
+    lock = _lock_path(dest)
+    try:
+        probe = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another user is still alive: the last one removes it
+        os.close(probe)
+        return
+    try:
+        (dest / ".complete").unlink(missing_ok=True)
+        shutil.rmtree(dest, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(probe)
 
 
 @atexit.register
 def _remove_shm_copies() -> None:
-    for pid, d in _created:
-        if pid == os.getpid():  # never from a forked worker
-            shutil.rmtree(d, ignore_errors=True)
-    _created.clear()
-
+    for dest, (pid, fd) in list(_attached.items()):
+        if pid == os.getpid():  # a forked child shares its parent's lock; it does not detach
+            _detach(dest, fd)
+    _attached.clear()
