@@ -287,8 +287,14 @@ def _write_journal(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def _part_bounds(cfg: PackConfig, n: int) -> tuple[int, int]:
+    """``[start, stop)`` of this part's deterministic slice of ``n`` inputs."""
+    return cfg.part * n // cfg.parts, (cfg.part + 1) * n // cfg.parts
+
+
 def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
-    """A hash of everything that determines the output: options, classes and the listing."""
+    """A hash of everything that determines the output: options, classes, the listing, and
+    the size and mtime of this part's files, so a resume notices files edited in place."""
     h = hashlib.sha256()
     head = {
         "version": FORMAT_VERSION,
@@ -304,6 +310,15 @@ def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
     for p in listing.relpaths:
         h.update(p.encode("utf-8", "surrogateescape") + b"\0")
     h.update(np.ascontiguousarray(listing.labels, dtype="<i8").tobytes())
+    start, stop = _part_bounds(cfg, len(listing))
+    stats = np.full((stop - start, 2), -1, dtype="<i8")  # (size, mtime_ns); -1: unreadable
+    for k, rel in enumerate(listing.relpaths[start:stop]):
+        try:
+            st = os.stat(listing.resolve(rel))
+        except OSError:
+            continue
+        stats[k] = st.st_size, st.st_mtime_ns
+    h.update(stats.tobytes())
     return h.hexdigest()
 
 
@@ -323,7 +338,7 @@ def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = No
     n = len(listing)
     if n == 0:
         raise PackError(f"{source}: no images found")
-    start, stop = cfg.part * n // cfg.parts, (cfg.part + 1) * n // cfg.parts
+    start, stop = _part_bounds(cfg, n)
     key = _source_key(cfg, listing)
     resume = _prepare_dest(dest, cfg, key)
     run = _PackRun(cfg, listing, dest, key, start, stop, resume)

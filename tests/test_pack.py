@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -284,23 +285,14 @@ def test_dest_rules(tmp_path):
         pack(src, tmp_path / "afile", config=cfg)
 
 
-def test_resume_from_journal_equals_uninterrupted(tmp_path):
-    """Simulate a run that died after two shards: cut the finished pack back to its journal state."""
-    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
-    (src / "c0" / "img004.jpg").write_bytes(b"bad")
-    cfg = PackConfig(backend="lmdb", workers=1, shard_size=5_000)
-    clean = tmp_path / "clean"
-    pack(src, clean, config=cfg)
-    expected = tree_bytes(clean)
-
-    # Run again, interrupting by raising from the writer once the third shard starts.
+def _pack_interrupted(src: Path, dest: Path, cfg: PackConfig, *, after_shards: int) -> None:
+    """Run a pack that a Ctrl-C stops as shard ``after_shards`` is about to start."""
     import fastload.pack as packmod
 
-    dest = tmp_path / "dest"
     orig = packmod._PackRun._open_writer
 
     def dying_open_writer(self):
-        if len(self.entries) == 2:
+        if len(self.entries) == after_shards:
             raise KeyboardInterrupt
         orig(self)
 
@@ -310,6 +302,19 @@ def test_resume_from_journal_equals_uninterrupted(tmp_path):
             pack(src, dest, config=cfg)
     finally:
         packmod._PackRun._open_writer = orig
+
+
+def test_resume_from_journal_equals_uninterrupted(tmp_path):
+    """Simulate a run that died after two shards: cut the finished pack back to its journal state."""
+    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
+    (src / "c0" / "img004.jpg").write_bytes(b"bad")
+    cfg = PackConfig(backend="lmdb", workers=1, shard_size=5_000)
+    clean = tmp_path / "clean"
+    pack(src, clean, config=cfg)
+    expected = tree_bytes(clean)
+
+    dest = tmp_path / "dest"
+    _pack_interrupted(src, dest, cfg, after_shards=2)
     journal = json.loads((dest / journal_name(0, 1)).read_text())
     assert len(journal["shards"]) == 2 and not (dest / "manifest.json").exists()
     assert [s["path"] for _, s in journal["skipped"]] == ["c0/img004.jpg"]
@@ -319,6 +324,27 @@ def test_resume_from_journal_equals_uninterrupted(tmp_path):
     s = pack(src, dest, config=PackConfig(backend="lmdb", workers=2, shard_size=5_000))
     assert s.resumed_from == journal["ends"][-1] > 0
     assert tree_bytes(dest) == expected
+
+
+def test_resume_restarts_when_a_packed_file_was_edited_in_place(tmp_path):
+    """Same file list, but a file already in a finished shard changed: resuming would mix old
+    and new pixels, so the rerun must start over and match a clean pack of the edited source."""
+    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
+    cfg = PackConfig(backend="hdf5", payload="png", workers=1, shard_size=5_000)
+    dest = tmp_path / "dest"
+    _pack_interrupted(src, dest, cfg, after_shards=2)
+    journal = json.loads((dest / journal_name(0, 1)).read_text())
+    assert len(journal["shards"]) == 2
+    edited = src / "c0" / "img000.jpg"  # the first record: surely in shard 0
+    st = edited.stat()
+    save(Image.fromarray(gradient(24, 32, seed=999)), edited, quality=90)
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    s = pack(src, dest, config=cfg)
+    assert s.resumed_from == 0
+    pack(src, tmp_path / "clean", config=cfg)
+    assert tree_bytes(dest) == tree_bytes(tmp_path / "clean")
+    img = get_codec("png").decode(open_pack(dest).get(0))
+    np.testing.assert_array_equal(img, load_source(edited.read_bytes()))
 
 
 def test_resume_after_options_change_restarts(tmp_path):
