@@ -274,3 +274,24 @@ def test_in_memory_copy_outlives_its_creator_and_the_last_user_removes_it(sample
         for p in (creator, locals().get("user")):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def _open_files_under(root: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("decoder", ["auto", "cv2"])
+def test_no_shard_is_open_until_a_record_is_read(sample_tree, tmp_path, decoder):
+    pack = make_pack(sample_tree, tmp_path / "p", payload="jpeg")
+    ds = ImageFolder(pack, decoder=decoder)  # picking a decoder must not open the pack
+    assert _open_files_under(pack) == [], "a shard is open before any worker needs it"
+    ds[0]
+    assert _open_files_under(pack) != []

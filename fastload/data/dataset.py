@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -185,8 +186,9 @@ class ImageFolder:
         for name in _AUTO_ORDER:
             try:
                 _check_decoder(name)
-                if len(self) and self.payload == "jpeg":
-                    _jpeg.decode(self.reader.get(0), backend=name)
+                # A decoder can import yet fail to decode (jpeg4py without libturbojpeg): try
+                # it on a tiny JPEG of our own, so no shard is opened before the workers fork.
+                _jpeg.decode(_probe_jpeg(), backend=name)
                 return name
             except Exception:
                 continue
@@ -296,6 +298,11 @@ class ImageFolder:
         self.__dict__.update(state)
         if self.in_memory:  # a spawned worker or another process: count as a user of the copy
             _copy_to_shm(self.root)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_jpeg() -> bytes:
+    return _jpeg.encode(np.full((16, 16, 3), 128, np.uint8), quality=90)
 
 
 def _check_decoder(name: str) -> None:
