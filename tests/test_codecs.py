@@ -132,3 +132,4 @@ def test_original_decodes_what_opencv_cannot(tmp_path):
     Image.fromarray(gradient(10, 12)).save(buf, "GIF")
     out = get_codec("original").decode(buf.getvalue())
     assert out.shape == (10, 12, 3)
+    assert get_codec("original").decode(buf.getvalue(), reduce=2).shape == (5, 6, 3)  # PIL path honours reduce

@@ -124,6 +124,34 @@ def test_original_payload_records_oriented_shape(special_tree, tmp_path):
     r.close()
 
 
+def test_original_payload_shapes_follow_exif_orientation_in_every_format(tmp_path):
+    """The index records the EXIF-oriented shape (PIL's exif_transpose); the 'original' codec
+    (OpenCV, which also applies EXIF) must decode to that shape and those pixels, also with
+    a reduced decode, for every orientation and every format that carries EXIF."""
+    from _pack_helpers import _exif
+
+    src = tmp_path / "src"
+    kw = {"JPEG": dict(quality=95), "PNG": {}, "TIFF": {}, "WEBP": dict(lossless=True)}
+    for fmt, opts in kw.items():
+        for o in range(1, 9):
+            save(Image.fromarray(gradient(16, 28, o)), src / fmt.lower() / f"o{o}.{fmt.lower()}", exif=_exif(o), **opts)
+    pack(src, tmp_path / "out", config=PackConfig(payload="original", workers=1))
+    r = open_pack(tmp_path / "out")
+    idx, codec = r.index, get_codec("original")
+    assert len(r) == 32
+    for i, rel in enumerate(idx.paths):
+        want = load_source((src / rel).read_bytes(), name=rel)
+        shape = tuple(int(v) for v in idx.shapes[i])
+        rotated = int(rel.split("/o")[1][0]) >= 5
+        assert shape == want.shape == ((28, 16, 3) if rotated else (16, 28, 3)), rel
+        img = codec.decode(r.get(i), shape=shape)
+        assert img.shape == shape, rel
+        assert np.abs(img.astype(np.int16) - want).mean() < 1.0, rel
+        half = codec.decode(r.get(i), shape=shape, reduce=2)
+        assert abs(half.shape[0] - shape[0] / 2) <= 1 and abs(half.shape[1] - shape[1] / 2) <= 1, (rel, half.shape)
+    r.close()
+
+
 def test_size_gives_fixed_shape_and_resize_keeps_aspect(special_tree, tmp_path):
     pack(special_tree, tmp_path / "fixed", config=PackConfig(payload="raw", size=(10, 12), workers=1))
     r = open_pack(tmp_path / "fixed")

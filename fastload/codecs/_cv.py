@@ -29,6 +29,11 @@ def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
     arr = as_u8(buf)
     if arr.size == 0:
         raise DecodeError("empty payload (0 bytes)")
+    if reduce > 1 and not (arr.size > 1 and arr[0] == 0xFF and arr[1] == 0xD8):
+        # Only JPEG has a DCT-domain downscale; for other formats OpenCV's reduced read is a
+        # resize after decoding, and for TIFF it skips the EXIF orientation. Decode (oriented)
+        # at full size and shrink here: same cost, and the shape always matches the index.
+        return shrink(imdecode_rgb(arr), reduce)
     try:
         if _HAS_RGB_FLAG:
             flags = cv2.IMREAD_COLOR_RGB | _REDUCE_BITS[reduce]
@@ -42,6 +47,14 @@ def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
     if img is None:
         raise DecodeError(f"OpenCV could not decode a {arr.size}-byte payload (corrupt or not an image)")
     return img
+
+
+def shrink(img: np.ndarray, reduce: int) -> np.ndarray:
+    """Downscale by ``reduce`` (floor, at least 1 pixel) for decoders without a DCT downscale."""
+    if reduce == 1:
+        return img
+    h, w = img.shape[:2]
+    return cv2.resize(img, (max(1, w // reduce), max(1, h // reduce)), interpolation=cv2.INTER_AREA)
 
 
 def imencode_rgb(img: np.ndarray, ext: str, params: list[int] | None = None) -> bytes:

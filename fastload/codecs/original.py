@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from ..image import load_source
-from ._cv import as_u8, imdecode_rgb
+from ._cv import as_u8, imdecode_rgb, shrink
 
 NAME = "original"
 LOSSLESS = False  # lossless w.r.t. the source file, but pixels depend on the decoder
@@ -21,4 +21,4 @@ def decode(buf, *, shape=None, reduce: int = 1, **_) -> np.ndarray:
     try:
         return imdecode_rgb(buf, reduce=reduce)
     except DecodeError:
-        return load_source(bytes(as_u8(buf)), name="<original payload>")
+        return shrink(load_source(bytes(as_u8(buf)), name="<original payload>"), reduce)
