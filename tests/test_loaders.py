@@ -76,6 +76,25 @@ def test_same_batches_api_for_both_backends(packed, backend, train):
     assert rest == want[15:]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_break_then_iterate_again_reads_the_rest_of_the_epoch(packed, backend):
+    """A loop that breaks off mid-epoch and iterates again sees every batch once: neither
+    backend skips the batches it had prefetched past the break."""
+    loader = make_loader(packed, backend=backend, batch_size=3, train=True, crop=16, seed=6, device="cpu",
+                         **_kw(backend))
+    labels = _labels(packed)
+    want = labels[epoch_indices(len(labels), seed=6, epoch=0, drop_last=True)][: len(loader) * 3].tolist()
+    first = []
+    for i, (_, y) in enumerate(loader):
+        first += y.tolist()
+        if i == 1:
+            break
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (0, 2)
+    rest = [t for _, y in loader for t in y.tolist()]
+    assert first + rest == want
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (1, 0)
+
+
 @pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed")
 def test_backends_agree_on_labels_per_epoch(packed):
     kw = dict(batch_size=4, train=True, crop=24, seed=9, device="cpu", drop_last=False)

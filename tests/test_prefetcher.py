@@ -147,6 +147,41 @@ def test_state_dict_describes_consumed_batches_not_prefetched_ones():
     assert loader.epoch == 4 and p.state_dict() == {"epoch": 4, "pos": 1}
 
 
+class _Numbers(torch.utils.data.Dataset):
+    """Sample i is a 3x2x2 uint8 image filled with i, label i."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int):
+        return torch.full((3, 2, 2), i, dtype=torch.uint8), i
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_early_break_then_reiteration_loses_no_prefetched_batch(depth):
+    """fastload's DataLoader continues an unfinished epoch; the batches the thread had
+    prefetched but nobody received must come again, and the state must agree."""
+    from fastload.data.loader import DataLoader
+
+    loader = DataLoader(_Numbers(), 4, shuffle=True, seed=2, num_workers=0)
+    order = loader.sampler.indices(0).tolist()
+    p = CUDAPrefetcher(loader, "cpu", depth=depth)
+    got = []
+    for i, (_, y) in enumerate(p):
+        got += y.tolist()
+        if i == 1:
+            break
+    assert loader.state_dict()["batches"] == p.state_dict()["batches"] == 2
+    with pytest.raises(RuntimeError, match="step failed"):
+        for _, y in p:  # one more batch, then the consumer fails
+            got += y.tolist()
+            raise RuntimeError("the training step failed")
+    assert loader.state_dict()["batches"] == 3
+    got += [t for _, y in p for t in y.tolist()]
+    assert got == order  # every sample once, in the sampler's order
+    assert p.state_dict()["epoch"] == 1 and p.state_dict()["batches"] == 0
+
+
 def test_early_break_stops_the_thread_and_the_loader():
     produced = []
 

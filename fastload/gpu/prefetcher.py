@@ -77,7 +77,10 @@ class CUDAPrefetcher:
     ``device=None`` uses the current CUDA device, or the CPU when CUDA is not available. On
     the CPU a thread keeps ``depth`` converted batches ready. ``len()``, ``set_epoch``,
     ``state_dict`` and ``load_state_dict`` are passed to the loader; ``state_dict`` describes
-    the batches the consumer has received, not the ones prefetched ahead.
+    the batches the consumer has received, not the ones prefetched ahead. When an iteration
+    ends early (``break``, an exception), a loader with ``load_state_dict`` is put back to that
+    position, so the next iteration re-reads the prefetched batches nobody received instead of
+    skipping them (fastload's DataLoader continues an unfinished epoch).
     """
 
     def __init__(
@@ -146,6 +149,11 @@ class CUDAPrefetcher:
         self._state = None
         self.loader.load_state_dict(state)
 
+    def _rewind(self, consumed: dict | None) -> None:
+        """Put the loader back to what the consumer received (after an iteration ended early)."""
+        if consumed is not None and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(consumed)
+
     def _snapshot(self) -> dict | None:
         if hasattr(self.loader, "state_dict"):
             try:
@@ -206,6 +214,7 @@ class CUDAPrefetcher:
     def _iter_cuda(self) -> Iterator:
         self._ensure_streams()
         assert self._streams is not None and self._events is not None
+        consumed = self._snapshot()  # the loader's position as of the last batch handed out
         it = iter(self.loader)
         inflight: collections.deque = collections.deque()  # (slot, device batch, loader state)
         # Host batches whose copies may still run. Memory from the caching host allocator
@@ -216,7 +225,7 @@ class CUDAPrefetcher:
         slot_host: list[Any] = [None] * self.depth
         retired: collections.deque = collections.deque()  # (event, host batch), rare
         k = 0
-        exhausted = False
+        exhausted = completed = False
 
         def release_slot(slot: int) -> None:
             host = slot_host[slot]
@@ -269,9 +278,10 @@ class CUDAPrefetcher:
                 _map_tensors(dev, _claim)
                 if not exhausted:
                     issue()
-                self._state = state
+                self._state = consumed = state
                 yield dev
             self._state = None
+            completed = True
         finally:
             # Drop the prefetched batches and the loader's iterator (a torch DataLoader shuts
             # its workers down when its iterator goes); host buffers only once copies are done.
@@ -283,7 +293,9 @@ class CUDAPrefetcher:
             for marker, _ in retired:
                 marker.synchronize()
             retired.clear()
-            del it
+            del it  # closes the loader's iterator (nothing else holds it) before the rewind
+            if not completed:
+                self._rewind(consumed)
 
     def _iter_cpu(self) -> Iterator:
         q: queue.Queue = queue.Queue(maxsize=self.depth)
@@ -313,6 +325,8 @@ class CUDAPrefetcher:
             except BaseException as exc:  # noqa: BLE001 - carried to the consumer and re-raised
                 put(_Failure(exc))
 
+        consumed = self._snapshot()  # taken before the thread starts moving the loader
+        completed = False
         thread = threading.Thread(target=produce, name="fastload-prefetch", daemon=True)
         thread.start()
         try:
@@ -323,9 +337,10 @@ class CUDAPrefetcher:
                 if isinstance(item, _Failure):
                     raise item.exc
                 batch, state = item
-                self._state = state
+                self._state = consumed = state
                 yield batch
             self._state = None
+            completed = True
         finally:
             stop.set()
             # Unblock a producer waiting on a full queue, then wait for it to notice `stop`
@@ -336,6 +351,8 @@ class CUDAPrefetcher:
                 except queue.Empty:
                     break
             thread.join()
+            if not completed:
+                self._rewind(consumed)
 
     def __repr__(self) -> str:
         return (
