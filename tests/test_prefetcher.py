@@ -157,15 +157,16 @@ class _Numbers(torch.utils.data.Dataset):
         return torch.full((3, 2, 2), i, dtype=torch.uint8), i
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("depth", [1, 3])
-def test_early_break_then_reiteration_loses_no_prefetched_batch(depth):
-    """fastload's DataLoader continues an unfinished epoch; the batches the thread had
-    prefetched but nobody received must come again, and the state must agree."""
+def test_early_break_then_reiteration_loses_no_prefetched_batch(depth, device):
+    """fastload's DataLoader continues an unfinished epoch; the batches the prefetcher had
+    taken ahead but nobody received must come again, and the state must agree."""
     from fastload.data.loader import DataLoader
 
-    loader = DataLoader(_Numbers(), 4, shuffle=True, seed=2, num_workers=0)
+    loader = DataLoader(_Numbers(), 4, shuffle=True, seed=2, num_workers=0, pin_memory=False)
     order = loader.sampler.indices(0).tolist()
-    p = CUDAPrefetcher(loader, "cpu", depth=depth)
+    p = CUDAPrefetcher(loader, device, depth=depth)
     got = []
     for i, (_, y) in enumerate(p):
         got += y.tolist()
@@ -259,30 +260,43 @@ def test_bad_arguments():
 # --- CUDA (skipped without a GPU; never faked) ----------------------------------------
 
 
-def _host_batches(n: int, size: int = 64):
+def _host_batches(n: int, size: int = 64, batch: int = 32, pinned: bool = False):
     g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randint(0, 256, (32, 3, size, size), dtype=torch.uint8, generator=g), torch.randint(0, 1000, (32,), generator=g))
-        for _ in range(n)
-    ]
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 1000, (batch,), generator=g)
+        out.append((x.pin_memory(), y.pin_memory()) if pinned else (x, y))
+    return out
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cuda_prefetch_equals_synchronous_conversion_bit_for_bit(dtype):
-    batches = _host_batches(40)
+    """The sync-vs-async race check: many batches against synchronous ``.cuda()`` + the same
+    normalisation, with nothing in the loop synchronising the host. Pinned inputs let the
+    host queue copies as fast as it likes. First pass: the consumer reads each batch at once,
+    while later copies run (a missing wait on the slot's event reads a half-written batch).
+    Second pass: the consumer stream is kept busy before each read and every batch is dropped
+    right after its read is queued (without ``record_stream`` the allocator hands that memory
+    to a later copy, which overwrites it before the read runs)."""
+    batches = _host_batches(24, size=224, batch=64, pinned=True)
+    ref = [normalize(x.cuda(), mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype, channels_last=True)
+           for x, _ in batches]
     p = CUDAPrefetcher(batches, "cuda", mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype, depth=3)
-    for epoch in range(2):
-        for (x, y), (xo, yo) in zip(batches, p, strict=True):
-            # Heavy work on the consumer stream: a missing wait or a reused buffer would show.
-            a = torch.randn(2048, 2048, device="cuda")
-            for _ in range(3):
-                a = a @ a
-                a = a / a.norm()
-            ref = normalize(x.cuda(), mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=dtype, channels_last=True)
+    for busy in (False, True):
+        got = []
+        for xo, yo in p:
+            if busy:
+                torch.cuda._sleep(20_000_000)  # a real kernel spinning ~10 ms on the consumer stream
+            got.append((xo.clone(), yo.clone()))
+            del xo, yo
+        torch.cuda.synchronize()
+        assert len(got) == len(batches)
+        for k, ((_, y), r, (xo, yo)) in enumerate(zip(batches, ref, got)):
             assert xo.is_cuda and xo.dtype == dtype
             assert xo.is_contiguous(memory_format=torch.channels_last)
-            assert torch.equal(xo, ref)
+            assert torch.equal(xo, r), f"batch {k} differs (busy={busy})"
             assert torch.equal(yo.cpu(), y)
 
 
