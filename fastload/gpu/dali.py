@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data.loader import _resolve_distributed
 from ..data.sampler import epoch_indices, samples_per_rank
 from ..errors import FormatError, require
 from ..storage import open_pack
@@ -47,23 +48,6 @@ def dali_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def resolve_distributed(distributed: tuple[int, int] | None) -> tuple[int, int]:
-    """``(rank, world_size)``: explicit, or from ``torch.distributed`` when it is initialised."""
-    if distributed is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-    try:
-        rank, world = (int(v) for v in distributed)
-    except (TypeError, ValueError):
-        raise ValueError(f"distributed must be None or a (rank, world_size) pair, got {distributed!r}") from None
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"distributed=(rank, world_size) needs 0 <= rank < world_size, got {distributed!r}")
-    return rank, world
 
 
 class PackBatchSource:
@@ -232,7 +216,8 @@ class DALILoader:
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.resize_ratio = float(resize_ratio)
-        self.rank, self.world_size = resolve_distributed(distributed)
+        # the same convention as fastload.DataLoader (None: from torch.distributed if initialised)
+        self.rank, self.world_size = _resolve_distributed(distributed)
         self.num_threads = int(num_threads) if num_threads else max(1, min(8, os.cpu_count() or 1))
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
