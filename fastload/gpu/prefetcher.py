@@ -172,8 +172,9 @@ class CUDAPrefetcher:
             if self.device.type == "cuda":
                 self._ensure_streams()
                 s, b = s.to(self.device), b.to(self.device)
-                # Made on the current stream, read on the side streams: finish the copy now,
-                # and tell the allocator the side streams use them.
+                # Copied on whichever stream is current (a slot's side stream when called from
+                # the prefetch loop) and read later on every side stream: finish the copy now,
+                # and tell the allocator all side streams use them.
                 torch.cuda.current_stream(self.device).synchronize()
                 for st in self._streams or ():
                     s.record_stream(st)
