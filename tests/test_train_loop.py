@@ -238,3 +238,124 @@ def test_torch_compile_step_matches_eager_and_checkpoints_plain_names(tmp_path):
             assert list(saved) == list(states[0]), "no _orig_mod. prefixes in checkpoints"
     for k in states[0]:
         assert torch.allclose(states[0][k], states[1][k], atol=1e-4, rtol=1e-3), k
+
+
+class _DropoutNet(nn.Module):
+    """A BN-free net whose training step draws from torch's RNG (dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = SmallCNN(num_classes=4, width=4, batch_norm=False)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.body(x))
+
+
+def _dropout_trainer():
+    train.seed_everything(0)
+    model = _DropoutNet()
+    return train.Trainer(model, _sgd(model, lr=0.1), device="cpu")
+
+
+def test_resume_restores_torch_rng_so_dropout_masks_repeat(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 256, (8, 3, 12, 12), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))
+            for _ in range(4)]
+    full = _dropout_trainer()
+    full.train_epoch(data)
+    full.train_epoch(data)
+
+    first = _dropout_trainer()
+    first.train_epoch(data)
+    first.save_checkpoint(tmp_path / "e1.pt")
+    torch.rand(1000)  # move the global RNG on: only the checkpoint's RNG state may count
+    second = _dropout_trainer()
+    torch.rand(1000)
+    second.load_checkpoint(tmp_path / "e1.pt")
+    second.train_epoch(data)
+    assert second.epoch == full.epoch == 2
+    for k, v in full.module.state_dict().items():
+        assert torch.equal(v, second.module.state_dict()[k]), k
+
+    # Without the RNG state the dropout masks differ, and so do the weights: the check above can fail.
+    state = torch.load(tmp_path / "e1.pt", weights_only=False)
+    third = _dropout_trainer()
+    third.module.load_state_dict(state["model"])
+    third.optimizer.load_state_dict(state["optimizer"])
+    third.epoch = 1
+    third.train_epoch(data)
+    assert any(not torch.equal(v, third.module.state_dict()[k]) for k, v in full.module.state_dict().items())
+
+
+def test_log_interval_reads_the_loss_every_n_steps_on_rank_0_only():
+    data = [(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))] * 6
+    lines: list[str] = []
+    model = SmallCNN(num_classes=2, width=4)
+    trainer = train.Trainer(model, _sgd(model), config=train.TrainConfig(log_interval=2), device="cpu",
+                            log=lines.append)
+    trainer.train_epoch(data)
+    assert [ln.split(":")[0] for ln in lines] == ["epoch 0 step 2", "epoch 0 step 4", "epoch 0 step 6"]
+    assert all("loss" in ln and "img/s" in ln for ln in lines)
+    other: list[str] = []
+    rank1 = train.DistInfo(rank=1, world_size=1, device=torch.device("cpu"))
+    train.Trainer(model, _sgd(model), config=train.TrainConfig(log_interval=1), dist=rank1,
+                  log=other.append).train_epoch(data)
+    assert other == []
+
+
+def test_distributed_dist_info_without_a_process_group_is_a_clear_error():
+    model = SmallCNN(num_classes=2, width=4)
+    info = train.DistInfo(rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="no process group is initialised.*init_distributed"):
+        train.Trainer(model, _sgd(model), dist=info)
+
+
+@pytest.mark.cuda
+def test_cuda_step_keeps_pinned_ring_batches_alive_until_their_copies_ran(digit_packs):
+    """fastload's DataLoader reuses a pinned ring slot once its batch is dropped; the step's
+    non_blocking copy may not have run by then. Slow the stream down so the host runs far
+    ahead, and check every batch the model saw is the batch the loader produced."""
+    from fastload.data.dataset import ImageFolder
+    from fastload.data.loader import DataLoader
+
+    loader = DataLoader(ImageFolder(digit_packs[1]), 32, shuffle=False, num_workers=0, pin_memory=True)
+    expected = [x.clone() for x, _ in loader]
+    model = SmallCNN(num_classes=10, width=4)
+    seen = []
+
+    def record(module, args):
+        torch.cuda._sleep(20_000_000)  # keep the GPU busy: copies lag steps behind the host
+        seen.append(args[0].detach().clone())
+
+    model.register_forward_pre_hook(record)
+    trainer = train.Trainer(model, _sgd(model), device="cuda")
+    trainer.train_epoch(loader)
+    assert len(seen) == len(expected)
+    for i, (got, want) in enumerate(zip(seen, expected)):
+        want = (want.cuda().float() - trainer._mean) * trainer._inv_std
+        assert torch.equal(got, want), f"batch {i} was overwritten before its copy ran"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_epoch_synchronises_the_host_only_once(precision):
+    """The loss is read once per epoch (log_interval=0); nothing else in the step syncs."""
+    import warnings
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=g).pin_memory(),
+             torch.randint(0, 4, (16,)).pin_memory()) for _ in range(6)]
+    model = SmallCNN(num_classes=4, width=8)
+    trainer = train.Trainer(model, _sgd(model), config=train.TrainConfig(precision=precision, accum_steps=2),
+                            device="cuda")
+    trainer.train_epoch(data[:2])  # warm-up: cuDNN autotuning, allocator
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_epoch(data)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

@@ -15,7 +15,11 @@ What it does, in the order a step runs:
   each loss divided by the number of micro-batches in its group;
 * ``zero_grad(set_to_none=True)``; optional gradient clipping (after unscaling);
 * no host synchronisation in the hot loop: the loss is summed on the device and read with
-  ``.item()`` only every ``log_interval`` optimizer steps and at the end of an epoch;
+  ``.item()`` only every ``log_interval`` optimizer steps and at the end of an epoch (the one
+  exception is fp16: ``GradScaler.step`` must read its inf/NaN flag to decide whether to step);
+* a pinned host batch copied with ``non_blocking`` is kept alive until its copy has run
+  (fastload's DataLoader hands out views of page-locked ring slots that it reuses as soon as
+  they are dropped), checked with CUDA events, never by waiting;
 * host time is split into *waiting for data* and everything else; their ratio is the data-
   stall fraction (on a GPU the host runs ahead of the kernels, so time the GPU makes the
   host wait shows up as compute, which is what we want: the stall is time the data path
@@ -24,6 +28,7 @@ What it does, in the order a step runs:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
@@ -42,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..errors import FormatError
+from ..gpu.transforms import IMAGENET_MEAN as _MEAN_01
+from ..gpu.transforms import IMAGENET_STD as _STD_01
 from .distributed import DistInfo, all_reduce_sum, barrier
 from .utils import peak_memory_bytes, reset_peak_memory
 
@@ -54,8 +61,8 @@ __all__ = [
     "check_batch_geometry",
 ]
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+IMAGENET_MEAN = tuple(m * 255 for m in _MEAN_01)  # uint8 inputs are normalised in 0-255 units
+IMAGENET_STD = tuple(s * 255 for s in _STD_01)
 CHECKPOINT_FORMAT = "fastload-train-checkpoint"
 CHECKPOINT_VERSION = 1
 
@@ -266,6 +273,10 @@ class Trainer:
         if config.sync_batchnorm and self.dist.distributed:
             if self.device.type != "cuda":
                 raise ValueError("sync_batchnorm needs CUDA devices (SyncBatchNorm has no CPU kernel)")
+        if self.dist.distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError(f"dist says world size {self.dist.world_size} but no process group is initialised: "
+                             f"get it from fastload.train.init_distributed() under torchrun")
+        if config.sync_batchnorm and self.dist.distributed:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device, memory_format=torch.channels_last if config.channels_last else torch.preserve_format)
         if config.checkpoint_blocks:
@@ -284,6 +295,7 @@ class Trainer:
         shape = (1, len(config.mean), 1, 1)
         self._mean = torch.tensor(config.mean, dtype=torch.float32, device=self.device).view(shape)
         self._inv_std = (1.0 / torch.tensor(config.std, dtype=torch.float32, device=self.device)).view(shape)
+        self._host_inflight: collections.deque = collections.deque()  # (CUDA event, pinned host batch)
 
     # -- the step ------------------------------------------------------------------------
     @property
@@ -293,8 +305,18 @@ class Trainer:
 
     def _prepare(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = _split_batch(batch)
+        pinned_copy = self.device.type == "cuda" and not x.is_cuda and x.is_pinned()
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
+        if pinned_copy:
+            # The copy runs when the stream gets to it, maybe steps after the host dropped the
+            # batch; a loader could refill that pinned memory meanwhile. Hold the batch until
+            # the copy's event has fired (query, not synchronize: the host never waits here).
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._host_inflight.append((done, batch))
+            while self._host_inflight and self._host_inflight[0][0].query():
+                self._host_inflight.popleft()
         if not x.is_floating_point():
             # uint8 stays uint8 until here: convert and normalise on the device.
             x = (x.float() - self._mean) * self._inv_std
@@ -372,8 +394,9 @@ class Trainer:
                 self._optimizer_step()
                 steps += 1
                 if self.config.log_interval and self.step % self.config.log_interval == 0:
+                    running = loss_sum.item() / micro  # the host sync of this interval, before the clock
                     now = time.perf_counter()
-                    self.log(f"epoch {self.epoch} step {self.step}: loss {loss_sum.item() / micro:.4f} "
+                    self.log(f"epoch {self.epoch} step {self.step}: loss {running:.4f} "
                              f"({samples * self.dist.world_size / (now - t_start):,.0f} img/s)")
                 if max_steps is not None and steps >= max_steps and (total is None or pos < total):
                     completed = False
@@ -381,8 +404,11 @@ class Trainer:
         if completed and pos % k and total is None:
             self._optimizer_step()  # unknown epoch length: step on the last, short group
             steps += 1
-        seconds = time.perf_counter() - t_start
+        # .item() waits for the device to finish the epoch's queued work: read it before the
+        # clock, or a GPU epoch would look faster than it was.
         mean_loss = loss_sum.item() / micro if micro else float("nan")
+        seconds = time.perf_counter() - t_start
+        self._host_inflight.clear()  # the sync above finished every copy
         stats = EpochStats(epoch=self.epoch, steps=steps, samples=samples * self.dist.world_size, loss=mean_loss,
                            seconds=seconds, data_seconds=data_s, peak_memory_bytes=peak_memory_bytes(self.device),
                            completed=completed)
@@ -414,6 +440,7 @@ class Trainer:
             sums[3] += y.shape[0]
         all_reduce_sum(sums)
         loss, c1, c5, n = sums.tolist()
+        self._host_inflight.clear()  # tolist() synchronised: every copy has run
         self.model.train(was_training)
         if n == 0:
             raise ValueError("evaluation loader yielded no samples")
