@@ -46,10 +46,11 @@ def pack_digits(root: Path, *, payload: str = "png") -> tuple[Path, Path]:
 DIGITS_EPOCHS = 6
 
 
-def digits_recipe(train_loader, val_loader, *, dist=None, seed: int = 0, **config):
+def digits_recipe(train_loader, val_loader, *, dist=None, seed: int = 0, before_fit=None, **config):
     """The learning-test recipe: SmallCNN, AdamW + one-cycle, 6 epochs (~3 s on 2 cores).
 
     Returns (trainer, history). Same seed on every rank gives the same initial weights.
+    ``before_fit(trainer)`` runs before training (to register a DDP comm hook, say).
     """
     from fastload import train
     from fastload.train.models import SmallCNN
@@ -61,5 +62,7 @@ def digits_recipe(train_loader, val_loader, *, dist=None, seed: int = 0, **confi
     cfg = train.TrainConfig(mean=(128.0,) * 3, std=(64.0,) * 3, **config)
     trainer = train.Trainer(model, opt, scheduler=sched, config=cfg, dist=dist,
                             device=None if dist is not None else "cpu")
+    if before_fit is not None:
+        before_fit(trainer)
     hist = trainer.fit(train_loader, epochs=DIGITS_EPOCHS, val_loader=val_loader)
     return trainer, hist

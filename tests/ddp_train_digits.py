@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _train_helpers import digits_recipe  # noqa: E402
@@ -36,9 +37,22 @@ def main() -> None:
     tl = DataLoader(ImageFolder(args.train_pack), args.batch_size, shuffle=True, seed=0, num_workers=0)
     vl = DataLoader(ImageFolder(args.val_pack), 128, shuffle=False, num_workers=0)
     assert (tl.rank, tl.world_size) == (info.rank, info.world_size)
-    trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum)
+    # Count the backward passes that all-reduce gradients: with accumulation k, no_sync() must
+    # leave exactly one per optimizer step (the last micro-batch of each group).
+    synced = [0]
+
+    def counting_allreduce(state, bucket):
+        if bucket.is_last():
+            synced[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def register(trainer):
+        trainer._ddp.register_comm_hook(None, counting_allreduce)
+
+    trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum, before_fit=register)
     torch.save({"rank": info.rank, "world_size": info.world_size, "state": trainer.module.state_dict(),
-                "history": hist, "steps": trainer.step}, Path(args.out) / f"rank{info.rank}.pt")
+                "history": hist, "steps": trainer.step, "synced_backwards": synced[0]},
+               Path(args.out) / f"rank{info.rank}.pt")
     train.cleanup_distributed()
 
 

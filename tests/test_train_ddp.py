@@ -39,3 +39,5 @@ def test_torchrun_two_processes_learn_digits_with_identical_weights(tmp_path):
         assert hist[-1]["val"]["samples"] == 2 * (450 // 2)
     # 674 images per rank = 43 micro-batches of 16, in groups of 2: 22 optimizer steps per epoch
     assert ranks[0]["steps"] == ranks[1]["steps"] == DIGITS_EPOCHS * 22
+    # no_sync() on all but the last micro-batch of each group: one gradient all-reduce per step
+    assert ranks[0]["synced_backwards"] == ranks[1]["synced_backwards"] == DIGITS_EPOCHS * 22
