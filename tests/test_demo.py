@@ -64,3 +64,34 @@ def test_demo_on_gpu_uses_prefetcher_and_mixed_precision(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "CUDAPrefetcher" in out
     assert json.loads((work / "summary.json").read_text())["config"]["precision"] in ("bf16", "fp16")
+
+
+def test_demo_workdir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    f = tmp_path / "not_a_dir"
+    f.write_text("x")
+    assert main(["demo", "--small", "--workdir", str(f), "--workers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "not_a_dir: exists and is not a directory" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f.read_text() == "x", "the file is left alone"
+
+
+def test_demo_rebuilds_when_sizes_change_or_a_previous_run_was_cut_short(tmp_path, capsys):
+    work = tmp_path / "demo"
+    small = ["demo", "--small", "--workdir", str(work), "--workers", "1", "--val-per-class", "2"]
+    assert main([*small, "--classes", "2"]) == 0
+    assert len(open_pack(work / "packed" / "train")) == 2 * 24
+    # Other sizes: the old data is replaced, not mixed in.
+    assert main([*small, "--classes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "reusing" not in out and "generating 72 + 6 sample JPEGs" in out
+    assert len(open_pack(work / "packed" / "train")) == 3 * 24
+    assert sorted(p.name for p in (work / "images" / "train").iterdir()) == sorted(open_pack(
+        work / "packed" / "train").classes)
+    # A run stopped after packing but before recording what it packed is rebuilt, not trusted.
+    (work / "data.json").unlink()
+    assert main([*small, "--classes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "reusing" not in out and "generating" in out
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["steady_epochs"] == [0] and 0.0 <= summary["data_stall"] <= 1.0

@@ -22,9 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +63,7 @@ def main(argv=None) -> int:
 
     from fastload import train
     from fastload.errors import FastloadError
+    from fastload.gpu.transforms import IMAGENET_MEAN, IMAGENET_STD
     from fastload.loaders import make_loader
     from fastload.storage import open_pack
 

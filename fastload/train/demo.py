@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-IMAGENET_MEAN_01 = (0.485, 0.456, 0.406)
-IMAGENET_STD_01 = (0.229, 0.224, 0.225)
+from ..gpu.transforms import IMAGENET_MEAN as IMAGENET_MEAN_01
+from ..gpu.transforms import IMAGENET_STD as IMAGENET_STD_01
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -95,6 +95,8 @@ def _prepare_data(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[Path, Pa
     from ..sample import make_image_folder
 
     work = Path(cfg.workdir)
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--workdir {work}: exists and is not a directory")
     images, packed = work / "images", work / "packed"
     stamp = work / "data.json"
     key = cfg.data_key()
@@ -135,15 +137,27 @@ def _prepare_data(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[Path, Pa
 
 
 def _loader_throughput(loader) -> tuple[float, int]:
-    """Images/s of the loader alone over one full epoch, and the images seen."""
-    n = 0
+    """Images/s of the loader alone over one epoch, and the images timed.
+
+    The clock starts when the first batch arrives: worker start-up is paid once per run,
+    not per epoch, so it is not part of the rate (the first batch is not counted either).
+    """
+    n = first = 0
     x = None
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
+    t0 = None
     for x, _ in loader:
+        if t0 is None:
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            t0, first = time.perf_counter(), x.shape[0]
+            continue
         n += x.shape[0]
     if x is not None and x.is_cuda:
         torch.cuda.synchronize(x.device)
-    dt = time.perf_counter() - t0
+    if n == 0:  # a single batch: nothing to time after it, so count the start-up too
+        n, t0 = first, t_start
+    dt = time.perf_counter() - t0 if t0 is not None else 0.0
     return (n / dt if dt > 0 else 0.0), n
 
 
@@ -189,9 +203,18 @@ def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str
     train_s = sum(h["train"]["seconds"] for h in hist)
     train_n = sum(h["train"]["samples"] for h in hist)
     data_s = sum(h["train"]["data_seconds"] for h in hist)
-    # The first epoch includes worker start-up and warm-up; report the steady state when we can.
+    # The first epoch includes warm-up (allocator, cuDNN autotuning, compilation); report the
+    # steady state when there is one, images/s and data stall over the same epochs.
     steady = hist[1:] or hist
-    steady_ips = sum(h["train"]["samples"] for h in steady) / max(1e-9, sum(h["train"]["seconds"] for h in steady))
+    steady_s = max(1e-9, sum(h["train"]["seconds"] for h in steady))
+    steady_ips = sum(h["train"]["samples"] for h in steady) / steady_s
+    steady_stall = sum(h["train"]["data_seconds"] for h in steady) / steady_s
+    if len(hist) > 1:
+        first, last = steady[0]["epoch"], steady[-1]["epoch"]
+        over = f"epoch{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}; " \
+               f"epoch {hist[0]['epoch']} was warm-up"
+    else:
+        over = f"epoch {hist[0]['epoch']}, including warm-up"
     final = hist[-1]["val"]
     work = Path(cfg.workdir)
     summary = {
@@ -203,7 +226,9 @@ def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str
         "loader_images_per_sec": loader_ips,
         "train_images_per_sec": steady_ips,
         "train_images_per_sec_all_epochs": train_n / train_s if train_s > 0 else 0.0,
-        "data_stall": data_s / train_s if train_s > 0 else 0.0,
+        "data_stall": steady_stall,
+        "data_stall_all_epochs": data_s / train_s if train_s > 0 else 0.0,
+        "steady_epochs": [h["epoch"] for h in steady],
         "val_acc1": final["acc1"],
         "val_loss": final["loss"],
         "chance_acc1": 1.0 / num_classes,
@@ -214,8 +239,9 @@ def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str
     out.write_text(json.dumps(summary, indent=1, default=str))
     summary["summary_path"] = str(out)
     say("")
-    say(f"loader:   {loader_ips:,.0f} images/s")
-    say(f"training: {steady_ips:,.0f} images/s, data stall {summary['data_stall']:.0%} of the step time")
+    say(f"loader:   {loader_ips:,.0f} images/s (alone, no model)")
+    say(f"training: {steady_ips:,.0f} images/s ({over}), waiting for data "
+        f"{summary['data_stall']:.0%} of that time")
     say(f"accuracy: {final['acc1']:.1%} top-1 on {final['samples']} held-out images "
         f"(chance {1 / num_classes:.0%})")
     say(f"packed data: {train_dir} and {val_dir} ({summary['packed']['bytes'] / 2**20:.1f} MiB)")
