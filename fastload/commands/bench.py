@@ -91,21 +91,25 @@ def measure(dataset, *, workers: int, batch_size: int, batches: int, warmup: int
     loader = DataLoader(dataset, batch_size, shuffle=True, seed=0, num_workers=workers, pin_memory=False)
     try:
         seen = timed = 0
+        # The clock starts when the last warm-up batch has arrived (or at once without warm-up),
+        # so the timed span holds exactly the timed batches.
         t0 = time.perf_counter()
         epoch = 0
+
         def more() -> bool:
-            return seen < warmup + batches or (seen > warmup and time.perf_counter() - t0 < min_seconds)
+            return seen < warmup + batches or time.perf_counter() - t0 < min_seconds
 
         while more():
             loader.set_epoch(epoch)
             got = False
             for x, _ in loader:
                 got = True
-                if seen == warmup:
-                    t0 = time.perf_counter()
-                if seen >= warmup:
-                    timed += int(x.shape[0])
                 seen += 1
+                if seen <= warmup:
+                    if seen == warmup:
+                        t0 = time.perf_counter()
+                    continue
+                timed += int(x.shape[0])
                 if not more():
                     break
             if not got:
