@@ -307,3 +307,19 @@ def test_ring_slots_are_pinned_and_copy_to_the_gpu(jpeg_pack):
         torch.cuda.synchronize()
         assert torch.equal(gpu.cpu(), ref[k][0])
     loader.close()
+
+
+def _failing_target(t):
+    raise ValueError(f"no target for class {t}\nsecond line")
+
+
+def test_worker_error_is_one_line_with_the_traceback_kept(jpeg_pack):
+    from fastload.data.loader import WorkerError
+
+    loader = DataLoader(ImageFolder(jpeg_pack, AUG, target_transform=_failing_target), 4, num_workers=2)
+    with pytest.raises(WorkerError) as info:
+        collect(loader)
+    loader.close()
+    msg = str(info.value)
+    assert "\n" not in msg and "ValueError: no target for class" in msg and msg.startswith("batch ")
+    assert "_failing_target" in info.value.worker_traceback

@@ -50,8 +50,12 @@ __all__ = ["DataLoader", "WorkerError"]
 
 
 class WorkerError(FastloadError):
-    """A worker failed on a batch; the message names the batch, and the record and shard
-    when the dataset's error did (decode and format errors keep their own class)."""
+    """A worker failed on a batch; the message (one line, so the CLI can print it as is)
+    names the batch, and the record and shard when the dataset's error did (decode and format
+    errors keep their own class). The worker's traceback is in :attr:`worker_traceback` and
+    in the exception's notes, which Python prints with an uncaught traceback."""
+
+    worker_traceback: str = ""
 
 
 def _default_workers() -> int:
@@ -256,7 +260,12 @@ def _raise_worker_error(b: int, err: tuple[str, str, str]) -> None:
     cls = {"DecodeError": DecodeError, "FormatError": FormatError}.get(name)
     if cls is not None:
         raise cls(msg)
-    raise WorkerError(f"batch {b}: {name}: {msg}\n--- worker traceback ---\n{tb}")
+    first = msg.strip().splitlines()[0] if msg.strip() else ""
+    exc = WorkerError(f"batch {b}: {name}: {first}" if first else f"batch {b}: {name}")
+    exc.worker_traceback = tb
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"--- worker traceback ---\n{tb}")
+    raise exc
 
 
 # -- the loader ---------------------------------------------------------------------------
