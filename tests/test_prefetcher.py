@@ -183,6 +183,20 @@ def test_early_break_then_reiteration_loses_no_prefetched_batch(depth, device):
     assert p.state_dict()["epoch"] == 1 and p.state_dict()["batches"] == 0
 
 
+def test_a_new_iteration_closes_an_unfinished_one_first():
+    from fastload.data.loader import DataLoader
+
+    loader = DataLoader(_Numbers(), 4, shuffle=False, num_workers=0)
+    p = CUDAPrefetcher(loader, "cpu", depth=2)
+    old = iter(p)  # held, never closed by the caller
+    first = next(old)[1].tolist()
+    rest = [t for _, y in p for t in y.tolist()]
+    assert first + rest == list(range(30))  # nothing skipped, nothing read twice
+    assert not _prefetch_threads()
+    with pytest.raises(StopIteration):
+        next(old)
+
+
 def test_early_break_stops_the_thread_and_the_loader():
     produced = []
 

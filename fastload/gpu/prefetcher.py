@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,7 @@ class CUDAPrefetcher:
         self._streams: list[torch.cuda.Stream] | None = None
         self._events: list[torch.cuda.Event] | None = None
         self._state: dict | None = None  # loader state after the last batch handed out
+        self._live: weakref.ref | None = None  # the current iteration's generator
 
     @staticmethod
     def _resolve_device(device) -> torch.device:
@@ -201,10 +203,15 @@ class CUDAPrefetcher:
 
     # -- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        # One live iteration at a time: an unfinished earlier one is closed first, so its
+        # thread stops and the loader is rewound before this one starts reading.
+        previous = self._live() if self._live is not None else None
+        if previous is not None:
+            previous.close()
         self._state = None
-        if self.device.type == "cuda":
-            return self._iter_cuda()
-        return self._iter_cpu()
+        it = self._iter_cuda() if self.device.type == "cuda" else self._iter_cpu()
+        self._live = weakref.ref(it)
+        return it
 
     def _ensure_streams(self) -> None:
         if self._streams is None:
