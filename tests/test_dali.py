@@ -235,9 +235,10 @@ def test_gpu_mixed_decode(packs):
         assert x.is_contiguous(memory_format=torch.channels_last)
         got += y.cpu().tolist()
     assert got == labels[epoch_indices(len(labels), seed=2, epoch=0)].tolist()
-    # eval mode on the GPU gives the same pixels as on the CPU, up to decoder rounding
+    # eval mode on the GPU gives the same pixels as on the CPU (raw records: no decoder),
+    # within one intensity level for the GPU and CPU resize kernels' rounding
     cpu = _loader(packs["raw"], batch_size=6, crop=32, train=False, resize_ratio=1.0, shuffle=False)
     gpu = DALILoader(packs["raw"], 6, device="gpu", crop=32, train=False, resize_ratio=1.0, shuffle=False)
     for (xc, yc), (xg, yg) in zip(cpu, gpu, strict=True):
         assert torch.equal(yc, yg.cpu())
-        torch.testing.assert_close(xc, xg.cpu(), atol=1e-3, rtol=0)
+        torch.testing.assert_close(xc, xg.cpu(), atol=1.01 / 255, rtol=0)
