@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .gpu.prefetcher import resolve_device
+
 __all__ = ["Backend", "BatchLoader", "make_loader"]
 
 
@@ -34,17 +36,6 @@ class BatchLoader(Protocol):
     def set_epoch(self, epoch: int) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def _device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be a CUDA device or 'cpu', got {dev}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev} requested but CUDA is not available on this machine")
-    return dev
 
 
 def make_loader(
@@ -91,7 +82,7 @@ def make_loader(
         raise ValueError(f"crop must be a positive int, got {crop!r}")
     if not 0 < resize_ratio <= 1:
         raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
-    dev = _device(device)
+    dev = resolve_device(device)
     shuffle = train if shuffle is None else bool(shuffle)
     drop_last = train if drop_last is None else bool(drop_last)
     extra = dict(loader_kwargs or {})

@@ -24,7 +24,7 @@ import torch
 
 from .transforms import _check_dtype, apply_scale_shift, scale_shift
 
-__all__ = ["CUDAPrefetcher"]
+__all__ = ["CUDAPrefetcher", "resolve_device"]
 
 _END = object()
 
@@ -67,6 +67,24 @@ def _is_image_batch(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 and t.dim() in (3, 4)
 
 
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """``None``: the current CUDA device, or the CPU without CUDA; an int is a CUDA index;
+    ``"cuda"`` gets the current index. Only CUDA and CPU devices are accepted."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev} requested but CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or 'cpu', got {dev}")
+    return dev
+
+
 class CUDAPrefetcher:
     """Iterate ``loader``'s batches already on ``device``, images converted and normalised.
 
@@ -98,7 +116,7 @@ class CUDAPrefetcher:
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
         self.loader = loader
-        self.device = self._resolve_device(device)
+        self.device = resolve_device(device)
         self.mean = None if mean is None else tuple(float(m) for m in mean)
         self.std = None if std is None else tuple(float(s) for s in std)
         if self.std is not None and any(s <= 0 for s in self.std):
@@ -112,21 +130,6 @@ class CUDAPrefetcher:
         self._state: dict | None = None  # loader state after the last batch handed out
         self._live: weakref.ref | None = None  # the current iteration's generator
 
-    @staticmethod
-    def _resolve_device(device) -> torch.device:
-        if device is None:
-            if torch.cuda.is_available():
-                return torch.device("cuda", torch.cuda.current_device())
-            return torch.device("cpu")
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {dev} requested but CUDA is not available on this machine")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.type != "cpu":
-            raise ValueError(f"CUDAPrefetcher supports cuda and cpu devices, got {dev}")
-        return dev
 
     # -- passthrough -------------------------------------------------------------------
     def __len__(self) -> int:
