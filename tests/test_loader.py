@@ -323,3 +323,45 @@ def test_worker_error_is_one_line_with_the_traceback_kept(jpeg_pack):
     msg = str(info.value)
     assert "\n" not in msg and "ValueError: no target for class" in msg and msg.startswith("batch ")
     assert "_failing_target" in info.value.worker_traceback
+
+
+class PidDataset(IndexDataset):
+    """Label = the pid of the process that loaded the sample."""
+
+    def __getitem__(self, i):
+        return np.zeros((2, 2, 3), np.uint8), os.getpid()
+
+
+def test_per_sample_workers_persist_across_epochs():
+    loader = DataLoader(PidDataset(12), 3, num_workers=2, seed=0)
+    pids = [set(torch.cat([t for _, t in collect(loader)]).tolist()) for _ in range(3)]
+    assert len(pids[0]) == 2 and pids[0] == pids[1] == pids[2] and os.getpid() not in pids[0]
+    loader.close()
+
+
+def test_per_sample_imagefolder_sees_the_epoch_in_persistent_workers(jpeg_pack):
+    # ToTensor after the crop cannot be planned into a batch slot: the per-sample path.
+    aug = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip(), T.ToTensor(scale=False)])
+    runs = []
+    for workers in (0, 2):
+        loader = DataLoader(ImageFolder(jpeg_pack, aug), 5, num_workers=workers, seed=7)
+        assert loader.mode == "per-sample"
+        runs.append([collect(loader) for _ in range(3)])
+        loader.close()
+    for epoch in range(3):
+        assert batches_equal(runs[0][epoch], runs[1][epoch]), f"epoch {epoch} differs between 0 and 2 workers"
+    assert not batches_equal(runs[1][1], runs[1][2])
+    ring = collect(DataLoader(ImageFolder(jpeg_pack, AUG), 5, num_workers=0, seed=7))  # same pixels as the ring path
+    assert batches_equal(runs[1][0], ring)
+
+
+def test_per_sample_break_then_reiterate_resumes_with_persistent_workers():
+    ref = collect(DataLoader(IndexDataset(30), 4, num_workers=0, seed=8))
+    loader = DataLoader(IndexDataset(30), 4, num_workers=2, seed=8, prefetch=4)
+    head = collect(loader, limit=3)  # abandons the iteration with batches in flight
+    rest = collect(loader)  # the same epoch goes on after the 3 batches handed out
+    assert batches_equal(head + rest, ref)
+    fresh = DataLoader(IndexDataset(30), 4, num_workers=0, seed=8)
+    fresh.set_epoch(1)
+    assert batches_equal(collect(loader), collect(fresh))  # and the next epoch is the right one
+    loader.close()

@@ -11,8 +11,9 @@ Two paths, chosen from the dataset:
 * **per-sample** (any other map-style Dataset, including a user's own returning
   ``(array | tensor | PIL image, label)``): ``torch.utils.data.DataLoader`` with this
   loader's sampler and :func:`~fastload.data.collate.collate_uint8` (same uint8 batch format;
-  ``default_collate`` when items are not images). Workers restart each epoch so the dataset
-  sees the epoch.
+  ``default_collate`` when items are not images). Its workers persist across epochs; a
+  dataset with ``set_epoch`` (a fastload ImageFolder) receives each sample's epoch with its
+  index.
 
 **Slot lifetime.** A yielded image tensor is a view of a ring slot. The slot goes back to the
 ring only when every tensor viewing it (the batch, its slices, ...) has been garbage
@@ -247,7 +248,44 @@ class _Workers:
         self.procs = []
 
 
+class _EpochItems:
+    """The dataset as the per-sample path's workers see it: keys arrive as ``(epoch, index)``,
+    so persistent workers augment for the right epoch without being restarted."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, i = key
+        if getattr(self.dataset, "epoch", None) != epoch:
+            self.dataset.set_epoch(epoch)
+        return self.dataset[i]
+
+
+class _Batches:
+    """A batch sampler the loader refills before each pass (torch's persistent workers keep
+    the DataLoader, and so its batch sampler, from one epoch to the next)."""
+
+    def __init__(self):
+        self.batches: list[list] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def _shutdown(state: dict) -> None:
+    torch_loader = state.pop("torch_loader", None)
+    if torch_loader is not None:
+        it = getattr(torch_loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        torch_loader._iterator = None
     workers, pool = state.pop("workers", None), state.pop("pool", None)
     if workers is not None:
         workers.shutdown()
@@ -489,25 +527,39 @@ class DataLoader:
             # old generation, on the next iteration.
         self._finish_epoch(epoch)
 
-    def _iter_per_sample(self):
+    def _torch_loader(self):
+        """torch's DataLoader over this loader's batches, made once: its workers persist
+        across epochs (keys carry the epoch for datasets that have ``set_epoch``)."""
+        loader = self._state.get("torch_loader")
+        if loader is not None:
+            return loader
         import torch
         from torch.utils.data import DataLoader as TorchDataLoader
 
-        epoch, start = self.sampler.epoch, self._batches_done
-        idx = self.sampler.indices(epoch)
-        batches = [self._batch_indices(idx, b).tolist() for b in range(start, len(self))]
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)  # workers are started afresh below, so they see it
         if hasattr(self.dataset, "fill_batch") and hasattr(self.dataset, "seed"):
             self.dataset.seed = self.seed  # a fastload ImageFolder: augmentation follows the loader's seed
+        dataset = _EpochItems(self.dataset) if hasattr(self.dataset, "set_epoch") else self.dataset
         gen = torch.Generator()
-        gen.manual_seed(self.seed * 1_000_003 + epoch)
+        gen.manual_seed(self.seed)
+        workers = self.num_workers
         loader = TorchDataLoader(
-            self.dataset, batch_sampler=batches, num_workers=self.num_workers,
+            dataset, batch_sampler=_Batches(), num_workers=workers,
             collate_fn=self.collate_fn or collate_uint8, pin_memory=self.pin_memory and _cuda_available(),
-            generator=gen, multiprocessing_context=self.multiprocessing_context if self.num_workers else None,
-            prefetch_factor=max(1, self.prefetch // max(1, self.num_workers)) if self.num_workers else None,
+            generator=gen, multiprocessing_context=self.multiprocessing_context if workers else None,
+            prefetch_factor=max(1, self.prefetch // workers) if workers else None,
+            persistent_workers=workers > 0,
         )
+        self._state["torch_loader"] = loader
+        return loader
+
+    def _iter_per_sample(self):
+        epoch, start = self.sampler.epoch, self._batches_done
+        idx = self.sampler.indices(epoch)
+        loader = self._torch_loader()
+        batches = [self._batch_indices(idx, b).tolist() for b in range(start, len(self))]
+        if isinstance(loader.dataset, _EpochItems):
+            batches = [[(epoch, i) for i in b] for b in batches]
+        loader.batch_sampler.batches = batches
         for b, batch in enumerate(loader, start):
             self._batches_done = b + 1
             yield batch
