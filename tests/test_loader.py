@@ -365,3 +365,12 @@ def test_per_sample_break_then_reiterate_resumes_with_persistent_workers():
     fresh.set_epoch(1)
     assert batches_equal(collect(loader), collect(fresh))  # and the next epoch is the right one
     loader.close()
+
+
+@pytest.mark.parametrize("change", [dict(seed=1), dict(batch_size=5), dict(drop_last=True), dict(shuffle=False)])
+def test_load_state_refuses_a_different_run(change):
+    args = dict(batch_size=4, seed=0, drop_last=False, shuffle=True)
+    state = DataLoader(IndexDataset(17), num_workers=0, **args).state_dict()
+    other = DataLoader(IndexDataset(17), num_workers=0, **{**args, **change})
+    with pytest.raises(ValueError, match=next(iter(change))):
+        other.load_state_dict(state)

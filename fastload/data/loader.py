@@ -402,12 +402,14 @@ class DataLoader:
         return {
             "epoch": epoch, "batches": done, "seed": self.seed, "batch_size": self.batch_size,
             "num_samples": len(self.dataset), "world_size": self.world_size, "rank": self.rank,
+            "shuffle": self.sampler.shuffle, "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches recorded in ``state``."""
         for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
-                          ("num_samples", len(self.dataset)), ("world_size", self.world_size)):
+                          ("num_samples", len(self.dataset)), ("world_size", self.world_size),
+                          ("shuffle", self.sampler.shuffle), ("drop_last", self.drop_last)):
             if key in state and state[key] != mine:
                 raise ValueError(
                     f"DataLoader state has {key}={state[key]!r} but this loader has {mine!r}; "
