@@ -295,3 +295,15 @@ def test_no_shard_is_open_until_a_record_is_read(sample_tree, tmp_path, decoder)
     assert _open_files_under(pack) == [], "a shard is open before any worker needs it"
     ds[0]
     assert _open_files_under(pack) != []
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+def test_parts_packed_separately_read_as_one_dataset(sample_tree, tmp_path, backend):
+    whole = ImageFolder(make_pack(sample_tree, tmp_path / "whole", backend=backend, payload="png"))
+    for part in range(3):
+        make_pack(sample_tree, tmp_path / "parts", backend=backend, payload="png", part=part, parts=3)
+    ds = ImageFolder(tmp_path / "parts")
+    assert len(ds) == len(whole) == 24 and ds.classes == whole.classes
+    assert list(ds.samples) == list(whole.samples) and list(ds.targets) == list(whole.targets)
+    for i in (0, 7, 8, 15, 16, 23):  # across the part boundaries
+        assert np.array_equal(ds[i][0], whole[i][0])
