@@ -307,3 +307,46 @@ def test_parts_packed_separately_read_as_one_dataset(sample_tree, tmp_path, back
     assert list(ds.samples) == list(whole.samples) and list(ds.targets) == list(whole.targets)
     for i in (0, 7, 8, 15, 16, 23):  # across the part boundaries
         assert np.array_equal(ds[i][0], whole[i][0])
+
+
+@pytest.mark.parametrize("decoder", ["simplejpeg", "pil", "cv2"])
+def test_original_payload_applies_exif_orientation_with_every_decoder(tmp_path, rng, decoder):
+    """Rotations by 180 degrees and mirrors keep the shape: only the EXIF tag tells them apart."""
+    from PIL import Image
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    base = np.zeros((48, 64, 3), np.uint8)
+    base[:24, :32] = (250, 20, 20)  # a red top-left quadrant shows where "up" is
+    base[24:, 32:] = (20, 20, 250)
+    for orientation in (1, 2, 3, 4, 6):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(base).save(src / "a" / f"o{orientation}.jpg", quality=95, exif=exif.tobytes())
+    pack = make_pack(src, tmp_path / "pack", payload="original")
+    try:
+        ds = ImageFolder(pack, decoder=decoder)
+    except ImportError as exc:
+        pytest.skip(f"{decoder} not usable here: {exc}")
+    for i, (path, _) in enumerate(ds.samples):
+        expected = load_source((src / path).read_bytes())
+        got = ds[i][0]
+        assert got.shape == expected.shape, path
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 3, f"{path}: orientation not applied"
+
+
+def test_plain_jpeg_detection(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from fastload.codecs import jpeg
+    from fastload.data.dataset import _plain_jpeg
+
+    assert _plain_jpeg(jpeg.encode(np.zeros((8, 8, 3), np.uint8)))  # the fast decoders may take it
+    out = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 3
+    Image.new("RGB", (8, 8)).save(out, "JPEG", exif=exif.tobytes())
+    assert not _plain_jpeg(out.getvalue())
+    assert not _plain_jpeg(b"\x89PNG\r\n\x1a\n") and not _plain_jpeg(b"")

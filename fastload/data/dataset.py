@@ -212,7 +212,7 @@ class ImageFolder:
             if self.payload == "jpeg":
                 return _jpeg.decode(buf, backend=self.decoder, reduce=reduce)
             if self.payload == "original":
-                return self._decode_original(buf, i, reduce)
+                return self._decode_original(buf, reduce)
             return self._codec.decode(buf, shape=tuple(self._shapes[i]))
         except Exception as exc:
             k, j = self.reader.locate(i)
@@ -221,15 +221,11 @@ class ImageFolder:
                 f"could not be decoded as {self.payload}: {exc}"
             ) from None
 
-    def _decode_original(self, buf, i: int, reduce: int) -> np.ndarray:
-        data = memoryview(buf)
-        if self.decoder != "cv2" and bytes(data[:2]) == b"\xff\xd8":
-            img = _jpeg.decode(buf, backend=self.decoder, reduce=reduce)
-            h, w = self.stored_hw(i)
-            # These decoders ignore EXIF orientation: a transposed result means the stored
-            # (oriented) shape differs, so let OpenCV apply the orientation instead.
-            if (img.shape[0] >= img.shape[1]) == (h >= w) or h == w:
-                return img
+    def _decode_original(self, buf, reduce: int) -> np.ndarray:
+        # simplejpeg, jpeg4py and PIL's raw decode ignore EXIF orientation, and a 180-degree
+        # turn or a mirror keeps the shape, so only a JPEG without EXIF takes the fast decoder.
+        if self.decoder != "cv2" and _plain_jpeg(buf):
+            return _jpeg.decode(buf, backend=self.decoder, reduce=reduce)
         return self._codec.decode(buf, reduce=reduce)
 
     def load(self, i: int, *, epoch: int = 0, seed: int | None = None) -> Any:
@@ -298,6 +294,24 @@ class ImageFolder:
         self.__dict__.update(state)
         if self.in_memory:  # a spawned worker or another process: count as a user of the copy
             _copy_to_shm(self.root)
+
+
+def _plain_jpeg(buf) -> bool:
+    """A JPEG whose header segments (APPn, COM) carry no EXIF block, hence no orientation.
+    Reads a few segment headers, not the image."""
+    mv = memoryview(buf)
+    n = len(mv)
+    if n < 4 or mv[0] != 0xFF or mv[1] != 0xD8:
+        return False
+    pos = 2
+    while pos + 4 <= n and mv[pos] == 0xFF:
+        marker = mv[pos + 1]
+        if not (0xE0 <= marker <= 0xEF or marker == 0xFE):
+            return True  # past the header segments: no EXIF seen
+        if marker == 0xE1 and bytes(mv[pos + 4 : pos + 10]) == b"Exif\x00\x00":
+            return False
+        pos += 2 + ((mv[pos + 2] << 8) | mv[pos + 3])
+    return True
 
 
 @functools.lru_cache(maxsize=1)
