@@ -1,6 +1,7 @@
 """Run by tests/test_train_ddp.py under ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
-Trains the digits recipe with DDP and gradient accumulation, then each rank writes its
+Trains the digits recipe with DDP, gradient accumulation (no_sync) and optionally activation
+checkpointing, then each rank writes its
 final weights and validation accuracy to OUT/rank<k>.pt for the test to compare.
 """
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--checkpoint-blocks", default="", help="comma-separated submodules to recompute")
     args = ap.parse_args()
     torch.set_num_threads(1)
     info = train.init_distributed()
@@ -49,7 +51,8 @@ def main() -> None:
     def register(trainer):
         trainer._ddp.register_comm_hook(None, counting_allreduce)
 
-    trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum, before_fit=register)
+    trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum, before_fit=register,
+                                  checkpoint_blocks=tuple(b for b in args.checkpoint_blocks.split(",") if b))
     torch.save({"rank": info.rank, "world_size": info.world_size, "state": trainer.module.state_dict(),
                 "history": hist, "steps": trainer.step, "synced_backwards": synced[0]},
                Path(args.out) / f"rank{info.rank}.pt")

@@ -22,7 +22,8 @@ def test_torchrun_two_processes_learn_digits_with_identical_weights(tmp_path):
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "ddp_train_digits.py"), str(tr), str(va), str(out), "--batch-size=16", "--accum=2"]
+           str(HERE / "ddp_train_digits.py"), str(tr), str(va), str(out), "--batch-size=16", "--accum=2",
+           "--checkpoint-blocks=features"]  # DDP + no_sync + recomputation in backward, together
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ranks = [torch.load(out / f"rank{k}.pt", weights_only=False) for k in (0, 1)]

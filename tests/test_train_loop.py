@@ -359,3 +359,45 @@ def test_cuda_epoch_synchronises_the_host_only_once(precision):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, syncs
+
+
+def test_evaluate_is_eval_mode_without_grad_and_leaves_bn_statistics_alone():
+    train.seed_everything(0)
+    model = SmallCNN(num_classes=4, width=8)
+    trainer = train.Trainer(model, _sgd(model), device="cpu")
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))
+            for _ in range(3)]
+    trainer.train_epoch(data)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    grad_on = []
+    model.fc.register_forward_hook(lambda m, i, o: grad_on.append((m.training, o.requires_grad)))
+    ev = trainer.evaluate(data)
+    assert grad_on == [(False, False)] * 3
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers()), "eval must use running statistics"
+    assert model.training, "evaluate restores training mode"
+    with torch.no_grad():
+        model.eval()
+        logits = torch.cat([model((x.float() - trainer._mean) * trainer._inv_std) for x, _ in data])
+        model.train()
+    labels = torch.cat([y for _, y in data])
+    assert ev.acc1 == pytest.approx((logits.argmax(1) == labels).float().mean().item())
+    assert ev.loss == pytest.approx(nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+
+
+def test_checkpoint_restores_the_grad_scaler(tmp_path):
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randint(0, 256, (8, 3, 12, 12), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))
+            for _ in range(3)]
+    cfg = train.TrainConfig(precision="fp16")
+    model = SmallCNN(num_classes=4, width=4)
+    trainer = train.Trainer(model, _sgd(model), config=cfg, device="cpu")
+    trainer.train_epoch(data)
+    trainer.scaler.update(new_scale=1024.0)  # not the default 65536: a reload must bring it back
+    trainer.save_checkpoint(tmp_path / "fp16.pt")
+    fresh_model = SmallCNN(num_classes=4, width=4)
+    fresh = train.Trainer(fresh_model, _sgd(fresh_model), config=cfg, device="cpu")
+    assert fresh.scaler.get_scale() != trainer.scaler.get_scale()
+    fresh.load_checkpoint(tmp_path / "fp16.pt")
+    assert fresh.scaler.get_scale() == trainer.scaler.get_scale()
+    assert fresh.scaler.state_dict() == trainer.scaler.state_dict()
