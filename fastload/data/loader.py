@@ -15,6 +15,12 @@ Two paths, chosen from the dataset:
   dataset with ``set_epoch`` (a fastload ImageFolder) receives each sample's epoch with its
   index.
 
+**Processes, not threads.** OpenCV and simplejpeg release the GIL, so threads in the main
+process could fill the ring too; benchmarks/bench_loader.py measures that (its "threads" rows:
+on the 2-core development machine, under load, 2 threads reached 90-115% of 2 worker processes,
+within the noise). The per-sample Python around each decode still holds the GIL and would
+compete with the training loop, and processes isolate crashes, so workers are processes.
+
 **Slot lifetime.** A yielded image tensor is a view of a ring slot. The slot goes back to the
 ring only when every tensor viewing it (the batch, its slices, ...) has been garbage
 collected, so holding on to batches is always safe: the ring then grows by a slot instead of
