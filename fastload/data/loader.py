@@ -16,10 +16,11 @@ Two paths, chosen from the dataset:
   index.
 
 **Processes, not threads.** OpenCV and simplejpeg release the GIL, so threads in the main
-process could fill the ring too; benchmarks/bench_loader.py measures that (its "threads" rows:
-on the 2-core development machine, under load, 2 threads reached 90-115% of 2 worker processes,
-within the noise). The per-sample Python around each decode still holds the GIL and would
-compete with the training loop, and processes isolate crashes, so workers are processes.
+process could fill the ring too; benchmarks/bench_loader.py measures that (its "threads"
+rows). On the 2-core development machine, under load, at 1,000 images, 2 threads filling
+batches with no consumer reached 89-99% of the 2-process loader. The per-sample Python
+around each decode holds the GIL and would compete with the training loop, and processes
+isolate crashes, so workers are processes.
 
 **Slot lifetime.** A yielded image tensor is a view of a ring slot. The slot goes back to the
 ring only when every tensor viewing it (the batch, its slices, ...) has been garbage
