@@ -401,3 +401,21 @@ def test_checkpoint_restores_the_grad_scaler(tmp_path):
     fresh.load_checkpoint(tmp_path / "fp16.pt")
     assert fresh.scaler.get_scale() == trainer.scaler.get_scale()
     assert fresh.scaler.state_dict() == trainer.scaler.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_grad_clip_bounds_the_true_gradient_norm_also_under_loss_scaling(precision):
+    """SGD(lr=1, no momentum) moves the weights by exactly the clipped gradient. Under fp16 the
+    scaler must unscale before clipping, or the step would be clip / scale long."""
+    g = torch.Generator().manual_seed(8)
+    data = [(torch.randint(0, 256, (8, 3, 12, 12), dtype=torch.uint8, generator=g), torch.randint(0, 4, (8,)))]
+    train.seed_everything(0)
+    model = SmallCNN(num_classes=4, width=4, batch_norm=False)
+    clip = 1e-3
+    trainer = train.Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                            config=train.TrainConfig(precision=precision, grad_clip=clip), device="cpu")
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=precision == "fp16")  # no overflow
+    before = [p.detach().clone() for p in model.parameters()]
+    assert trainer.train_epoch(data).steps == 1
+    moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert moved.item() == pytest.approx(clip, rel=1e-2)
