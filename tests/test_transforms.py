@@ -136,3 +136,17 @@ def test_any_input_size_gives_the_requested_output(h, w, seed):
     img = np.full((h, w, 3), 7, np.uint8)
     out = T.Compose([T.RandomResizedCrop((17, 23)), T.RandomHorizontalFlip()])(img, rng=np.random.default_rng(seed))
     assert out.shape == (17, 23, 3) and (out == 7).all()
+
+
+def test_a_box_inside_the_image_stays_inside_a_reduced_decode():
+    # Rounding a box's top and height separately reached one row past a reduced decode in
+    # ~0.15% of boxes; 20,000 random boxes find such cases every time.
+    rng = np.random.default_rng(0)
+    for _ in range(20000):
+        H, W = (int(x) for x in rng.integers(16, 400, 2))
+        r = int(rng.choice([2, 4, 8]))
+        h, w = int(rng.integers(r, H + 1)), int(rng.integers(r, W + 1))
+        top, left = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
+        reduced = np.full((-(-H // r), -(-W // r), 3), 200, np.uint8)  # what a 1/r DCT decode gives
+        out = Plan(top, left, h, w, 7, 9).execute(reduced, (H, W))
+        assert (out == 200).all(), f"zero padding at an edge: box {(top, left, h, w)} of {(H, W)}, reduce {r}"

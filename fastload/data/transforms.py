@@ -108,8 +108,12 @@ class Plan:
         """Run the plan on ``img`` (the stored image, possibly decoded at a reduced scale)."""
         H, W = img.shape[:2]
         fy, fx = H / stored_hw[0], W / stored_hw[1]
+        # Round the box's edges, not its size: a box inside the stored image then stays inside
+        # a reduced decode (rounding top and height apart could reach one row past the edge,
+        # and that row would be zero padding).
         t, l = int(round(self.top * fy)), int(round(self.left * fx))
-        bh, bw = max(1, int(round(self.h * fy))), max(1, int(round(self.w * fx)))
+        bh = max(1, int(round((self.top + self.h) * fy)) - t)
+        bw = max(1, int(round((self.left + self.w) * fx)) - l)
         if t < 0 or l < 0 or t + bh > H or l + bw > W:
             crop = _padded_crop(img, t, l, bh, bw)
         else:
