@@ -150,3 +150,10 @@ def test_a_box_inside_the_image_stays_inside_a_reduced_decode():
         reduced = np.full((-(-H // r), -(-W // r), 3), 200, np.uint8)  # what a 1/r DCT decode gives
         out = Plan(top, left, h, w, 7, 9).execute(reduced, (H, W))
         assert (out == 200).all(), f"zero padding at an edge: box {(top, left, h, w)} of {(H, W)}, reduce {r}"
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_horizontal_flip_probability(img, p):
+    t = T.RandomHorizontalFlip(p)
+    flipped = sum(np.array_equal(t(img, rng=np.random.default_rng(s)), img[:, ::-1]) for s in range(400))
+    assert abs(flipped / 400 - p) < 0.08
