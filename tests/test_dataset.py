@@ -350,3 +350,11 @@ def test_plain_jpeg_detection(tmp_path):
     Image.new("RGB", (8, 8)).save(out, "JPEG", exif=exif.tobytes())
     assert not _plain_jpeg(out.getvalue())
     assert not _plain_jpeg(b"\x89PNG\r\n\x1a\n") and not _plain_jpeg(b"")
+
+
+def test_in_memory_reads_the_same_on_both_backends(lossless_pack):
+    ds = ImageFolder(lossless_pack, in_memory=True)
+    assert str(ds.reader.root).startswith("/dev/shm/") and ds.reader.backend in ("lmdb", "hdf5")
+    disk = ImageFolder(lossless_pack)
+    for i in (0, 13, 23):
+        assert np.array_equal(ds[i][0], disk[i][0])
