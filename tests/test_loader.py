@@ -337,6 +337,10 @@ def test_per_sample_workers_persist_across_epochs():
     pids = [set(torch.cat([t for _, t in collect(loader)]).tolist()) for _ in range(3)]
     assert len(pids[0]) == 2 and pids[0] == pids[1] == pids[2] and os.getpid() not in pids[0]
     loader.close()
+    deadline = time.time() + 10
+    while any(_alive(p) for p in pids[0]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids[0]), "close() left the per-sample workers running"
 
 
 def test_per_sample_imagefolder_sees_the_epoch_in_persistent_workers(jpeg_pack):
