@@ -358,3 +358,26 @@ def test_in_memory_reads_the_same_on_both_backends(lossless_pack):
     disk = ImageFolder(lossless_pack)
     for i in (0, 13, 23):
         assert np.array_equal(ds[i][0], disk[i][0])
+
+
+def test_in_memory_two_processes_racing_make_one_copy(sample_tree, tmp_path):
+    import subprocess
+    import sys
+
+    pack = make_pack(sample_tree, tmp_path / "pack", payload="jpeg")
+    script = tmp_path / "shm_user.py"
+    script.write_text(_SHM_USER)
+    procs = [subprocess.Popen([sys.executable, str(script), str(pack), "creator"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        dests = [Path(p.stdout.readline().strip()) for p in procs]
+        assert dests[0] == dests[1] and (dests[0] / ".complete").exists()
+        assert not list(Path("/dev/shm").glob(dests[0].name + ".tmp*")), "a losing copy was left behind"
+        for p in procs:
+            p.communicate("go\n", timeout=60)
+            assert p.returncode == 0
+        assert not dests[0].exists()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
