@@ -29,6 +29,8 @@ _LAZY = {
     "PackError": ".errors",
     "PackReader": ".storage",
     "PackSummary": ".pack",
+    "WorkerError": ".data.loader",
+    "collate_uint8": ".data.collate",
     "epoch_indices": ".data.sampler",
     "get_codec": ".codecs",
     "make_image_folder": ".sample",
@@ -66,7 +68,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pack import PackSummary, scan_source
     from .codecs import get_codec
     from .data.dataset import ImageFolder
-    from .data.loader import DataLoader
+    from .data.collate import collate_uint8
+    from .data.loader import DataLoader, WorkerError
     from .data.sampler import DistributedEpochSampler, epoch_indices
     from .gpu.prefetcher import CUDAPrefetcher
     from .loaders import make_loader
