@@ -126,7 +126,7 @@ def test_dct_reduce_is_close_to_a_full_decode(jpeg_pack):
         assert diff < 4.0
 
 
-@pytest.mark.parametrize("decoder", ["cv2", "simplejpeg", "jpeg4py", "pil"])
+@pytest.mark.parametrize("decoder", ["cv2", "simplejpeg", "jpeg4py", "pil", "turbo-crop"])
 def test_decoders_give_close_images(jpeg_pack, decoder):
     try:
         ds = ImageFolder(jpeg_pack, decoder=decoder)
@@ -142,7 +142,7 @@ def test_decoders_give_close_images(jpeg_pack, decoder):
 
 
 def test_auto_decoder_says_what_it_picked(jpeg_pack, lossless_pack):
-    assert ImageFolder(jpeg_pack).decoder in ("simplejpeg", "cv2", "jpeg4py", "pil")
+    assert ImageFolder(jpeg_pack).decoder in ("turbo-crop", "simplejpeg", "cv2", "jpeg4py", "pil")
     assert ImageFolder(lossless_pack).decoder == "cv2"
     with pytest.raises(ValueError, match="decoder"):
         ImageFolder(jpeg_pack, decoder="turbo")
@@ -309,7 +309,7 @@ def test_parts_packed_separately_read_as_one_dataset(sample_tree, tmp_path, back
         assert np.array_equal(ds[i][0], whole[i][0])
 
 
-@pytest.mark.parametrize("decoder", ["simplejpeg", "pil", "cv2"])
+@pytest.mark.parametrize("decoder", ["simplejpeg", "pil", "cv2", "turbo-crop"])
 def test_original_payload_applies_exif_orientation_with_every_decoder(tmp_path, rng, decoder):
     """Rotations by 180 degrees and mirrors keep the shape: only the EXIF tag tells them apart."""
     from PIL import Image

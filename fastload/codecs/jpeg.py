@@ -2,6 +2,10 @@
 
 ``reduce`` (1, 2, 4, 8) asks for libjpeg-turbo's DCT-domain downscale: decoding at 1/2 size
 costs roughly a third of a full decode, which pays whenever the output crop is small.
+
+``turbo-crop`` is fastload's own C extension (:mod:`fastload.codecs.jpegcrop`): here it
+decodes the whole image; the dataset uses it to decode only a transform's crop box. It is
+present only when the extension was built (:func:`fastload.codecs.jpegcrop.available`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from ._cv import as_u8, imdecode_rgb, imencode_rgb
 
 NAME = "jpeg"
 LOSSLESS = False
-BACKENDS = ("cv2", "simplejpeg", "jpeg4py", "pil")
+BACKENDS = ("cv2", "simplejpeg", "jpeg4py", "pil", "turbo-crop")
 
 
 def encode(img: np.ndarray, *, quality: int = 90) -> bytes:
@@ -90,9 +94,16 @@ def _decode_pil(buf, reduce: int) -> np.ndarray:
         raise DecodeError(f"PIL could not decode a {len(data)}-byte payload: {exc}") from None
 
 
+def _decode_turbo_crop(buf, reduce: int) -> np.ndarray:
+    from . import jpegcrop
+
+    return jpegcrop.decode(buf, reduce=reduce)
+
+
 _BACKEND_FUNCS = {
     "cv2": _decode_cv2,
     "simplejpeg": _decode_simplejpeg,
     "jpeg4py": _decode_jpeg4py,
     "pil": _decode_pil,
+    "turbo-crop": _decode_turbo_crop,
 }

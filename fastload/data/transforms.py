@@ -104,9 +104,9 @@ class Plan:
                 return r
         return 1
 
-    def execute(self, img: np.ndarray, stored_hw: tuple[int, int], *, dst: np.ndarray | None = None) -> np.ndarray:
-        """Run the plan on ``img`` (the stored image, possibly decoded at a reduced scale)."""
-        H, W = img.shape[:2]
+    def box_in(self, H: int, W: int, stored_hw: tuple[int, int]) -> tuple[int, int, int, int]:
+        """The box (top, left, h, w) in whole pixels of an ``H`` x ``W`` decode of the stored
+        image (a reduced decode is smaller). It may reach outside: then :meth:`execute` pads."""
         fy, fx = H / stored_hw[0], W / stored_hw[1]
         # Round the box's edges, not its size: a box inside the stored image then stays inside
         # a reduced decode (rounding top and height apart could reach one row past the edge,
@@ -114,10 +114,23 @@ class Plan:
         t, l = int(round(self.top * fy)), int(round(self.left * fx))
         bh = max(1, int(round((self.top + self.h) * fy)) - t)
         bw = max(1, int(round((self.left + self.w) * fx)) - l)
+        return t, l, bh, bw
+
+    def execute(self, img: np.ndarray, stored_hw: tuple[int, int], *, dst: np.ndarray | None = None) -> np.ndarray:
+        """Run the plan on ``img`` (the stored image, possibly decoded at a reduced scale)."""
+        H, W = img.shape[:2]
+        t, l, bh, bw = self.box_in(H, W, stored_hw)
         if t < 0 or l < 0 or t + bh > H or l + bw > W:
             crop = _padded_crop(img, t, l, bh, bw)
         else:
             crop = img[t : t + bh, l : l + bw]
+        return self.finish(crop, dst=dst)
+
+    def finish(self, crop: np.ndarray, *, dst: np.ndarray | None = None) -> np.ndarray:
+        """Resize and flip the box's pixels (``crop``, as :meth:`box_in` placed it) to the
+        output: what :meth:`execute` does after cutting the box, for a decoder that decoded
+        only the box."""
+        bh, bw = crop.shape[:2]
         oh, ow = self.out_h, self.out_w
         if dst is not None and dst.shape[:2] != (oh, ow):
             raise ValueError(f"batch slot is {dst.shape[:2]}, the transform outputs {(oh, ow)}")

@@ -1,0 +1,110 @@
+"""Decode only a box of a JPEG ("turbo-crop"): libjpeg-turbo partial decompression.
+
+RandomResizedCrop keeps on average about half of the decoded pixels. The optional C extension
+``fastload._jpegcrop`` (built by ``pip install -e .`` when libjpeg-turbo's headers are there;
+Debian: ``libjpeg62-turbo-dev``) skips the rows above the box without an inverse DCT, leaves
+out the columns beside it (to iMCU precision) and stops after its last row, optionally with the
+DCT-domain downscale (``reduce`` 2, 4, 8).
+
+The pixels equal the same box cut from a full decode at the same scale with the same library
+(ISLOW DCT, fancy upsampling: the settings simplejpeg uses), exactly: the extension asks for
+one extra column on each side, because fancy chroma upsampling treats the edges of a cropped
+region like image edges. tests/test_jpegcrop.py checks this over random boxes.
+
+Without the extension, :func:`available` is False and fastload decodes with simplejpeg/OpenCV.
+CMYK/YCCK JPEGs (which the extension refuses) fall back to OpenCV here; corrupt data (a
+truncated file included) raises :class:`~fastload.errors.DecodeError`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..errors import DecodeError
+from ._cv import as_u8, imdecode_rgb
+
+NAME = "turbo-crop"
+
+
+@functools.lru_cache(maxsize=1)
+def _ext():
+    try:
+        from .. import _jpegcrop
+    except ImportError:
+        return None
+    return _jpegcrop
+
+
+def available() -> bool:
+    """Whether the C extension was built (so ``decoder="turbo-crop"`` works)."""
+    return _ext() is not None
+
+
+def require() -> None:
+    """Raise a clear error when the extension is missing."""
+    if _ext() is None:
+        raise ImportError(
+            "the turbo-crop JPEG decoder needs fastload's C extension fastload._jpegcrop, which was not "
+            "built: install libjpeg-turbo's headers (Debian: apt-get install libjpeg62-turbo-dev) and a C "
+            "compiler, then reinstall fastload (pip install -e .)"
+        )
+
+
+def scaled_hw(h: int, w: int, reduce: int) -> tuple[int, int]:
+    """The size libjpeg decodes an h x w JPEG to at scale 1/reduce (it rounds up)."""
+    return -(-int(h) // reduce), -(-int(w) // reduce)
+
+
+def header(buf) -> tuple[int, int]:
+    """(height, width) of a JPEG at full size, from its header (a few microseconds)."""
+    require()
+    ext = _ext()
+    data = as_u8(buf)
+    try:
+        return tuple(ext.header(data)[:2])
+    except ext.JpegError as exc:
+        raise DecodeError(f"could not read the header of a {data.size}-byte JPEG payload: {exc}") from None
+
+
+def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: int = 1,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """The box ``(top, left, height, width)`` (in pixels of the 1/``reduce`` scaled image) of
+    a JPEG, as an HWC uint8 RGB array; ``None`` decodes the whole image.
+
+    ``out``: a C-contiguous uint8 array of at least height*width*3 elements to decode into
+    (the result is then a view of it); else a new array. The box must lie inside the scaled
+    image (:func:`scaled_hw`), else ``ValueError``.
+    """
+    require()
+    ext = _ext()
+    if reduce not in (1, 2, 4, 8):
+        raise ValueError(f"reduce must be one of 1, 2, 4, 8, got {reduce}")
+    data = as_u8(buf)
+    t, l, h, w = (0, 0, -1, -1) if box is None else (int(v) for v in box)
+    try:
+        target, h, w = ext.decode_crop(data, t, l, h, w, reduce, out)
+    except ext.Unsupported:
+        img = _fallback(data, reduce)
+        if box is None:
+            return img
+        H, W = img.shape[:2]
+        if t + h > H or l + w > W:
+            raise ValueError(f"box {(t, l, h, w)} is not inside the {H}x{W} image (scaled 1/{reduce})") from None
+        return img[t : t + h, l : l + w].copy()
+    except ext.JpegError as exc:
+        raise DecodeError(f"could not decode a {data.size}-byte JPEG payload: {exc}") from None
+    if out is None:
+        return np.frombuffer(target, np.uint8).reshape(h, w, 3)
+    return out.reshape(-1)[: h * w * 3].reshape(h, w, 3)
+
+
+def _fallback(data: np.ndarray, reduce: int) -> np.ndarray:
+    """OpenCV for what the extension refuses (CMYK and YCCK JPEGs)."""
+    return imdecode_rgb(data, reduce=reduce)
+
+
+def decode(buf, reduce: int = 1) -> np.ndarray:
+    """The whole image (a JPEG backend like the others in :mod:`fastload.codecs.jpeg`)."""
+    return decode_crop(buf, None, reduce=reduce)
