@@ -52,6 +52,7 @@ import numpy as np
 
 from ..errors import DecodeError, FastloadError, FormatError
 from .collate import collate_uint8
+from .position import EpochPosition
 from .sampler import DistributedEpochSampler
 
 __all__ = ["DataLoader", "WorkerError"]
@@ -371,7 +372,7 @@ class DataLoader:
             len(dataset), seed=self.seed, shuffle=shuffle, rank=self.rank,
             world_size=self.world_size, drop_last=self.drop_last,
         )
-        self._batches_done = 0  # batches of the sampler's current epoch handed to the caller
+        self._pos = EpochPosition()  # the epoch, and batches of it handed to the caller
         self._generation = 0
         shape = None
         if collate_fn is None and hasattr(dataset, "fill_batch") and hasattr(dataset, "batch_image_shape"):
@@ -386,7 +387,7 @@ class DataLoader:
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        return self._pos.epoch
 
     def __len__(self) -> int:
         per_rank = len(self.sampler)
@@ -394,39 +395,22 @@ class DataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a no-op when it is the current one, so a resumed state holds)."""
-        epoch = int(epoch)
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self.sampler.epoch:
-            self.sampler.set_epoch(epoch)
-            self._batches_done = 0
+        self._pos.set_epoch(epoch)
+
+    def _identity(self) -> dict:
+        return {
+            "seed": self.seed, "batch_size": self.batch_size, "num_samples": len(self.dataset),
+            "world_size": self.world_size, "rank": self.rank, "shuffle": self.sampler.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def state_dict(self) -> dict:
         """Where the caller is: epoch and batches consumed in it (plus what must not change)."""
-        epoch, done = self.sampler.epoch, self._batches_done
-        if done >= len(self):
-            epoch, done = epoch + 1, 0
-        return {
-            "epoch": epoch, "batches": done, "seed": self.seed, "batch_size": self.batch_size,
-            "num_samples": len(self.dataset), "world_size": self.world_size, "rank": self.rank,
-            "shuffle": self.sampler.shuffle, "drop_last": self.drop_last,
-        }
+        return self._pos.state_dict(num_batches=len(self), identity=self._identity())
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches recorded in ``state``."""
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
-                          ("num_samples", len(self.dataset)), ("world_size", self.world_size),
-                          ("shuffle", self.sampler.shuffle), ("drop_last", self.drop_last)):
-            if key in state and state[key] != mine:
-                raise ValueError(
-                    f"DataLoader state has {key}={state[key]!r} but this loader has {mine!r}; "
-                    "resuming would not reproduce the interrupted run"
-                )
-        done = int(state["batches"])
-        if not 0 <= done <= len(self):
-            raise ValueError(f"DataLoader state: batches={done} out of range 0..{len(self)}")
-        self.sampler.set_epoch(int(state["epoch"]))
-        self._batches_done = done
+        self._pos.load_state_dict(state, num_batches=len(self), identity=self._identity(), what="DataLoader")
 
     # -- iteration ----------------------------------------------------------------------------
 
@@ -439,9 +423,8 @@ class DataLoader:
         return self._iter_per_sample()
 
     def _finish_epoch(self, epoch: int) -> None:
-        if self.sampler.epoch == epoch:
-            self.sampler.set_epoch(epoch + 1)
-            self._batches_done = 0
+        if self._pos.epoch == epoch:
+            self._pos.next_epoch()
 
     def _pool(self) -> _SlotPool:
         pool = self._state.get("pool")
@@ -475,7 +458,7 @@ class DataLoader:
         return out.permute(0, 3, 1, 2), targets
 
     def _iter_ring(self):
-        epoch, start = self.sampler.epoch, self._batches_done
+        epoch, start = self._pos.epoch, self._pos.batches
         idx = self.sampler.indices(epoch)
         nb = len(self)
         pool = self._pool()
@@ -490,7 +473,7 @@ class DataLoader:
                     pool.release(slot)
                     raise
                 batch = self._wrap(pool, slot, len(bidx))
-                self._batches_done = b + 1
+                self._pos.batches = b + 1
                 yield batch
             self._finish_epoch(epoch)
             return
@@ -527,7 +510,7 @@ class DataLoader:
                 slot = ready.pop(want)
                 batch = self._wrap(pool, slot, len(self._batch_indices(idx, want)))
                 want += 1
-                self._batches_done = want
+                self._pos.batches = want
                 yield batch
         finally:
             for slot in ready.values():
@@ -562,7 +545,7 @@ class DataLoader:
         return loader
 
     def _iter_per_sample(self):
-        epoch, start = self.sampler.epoch, self._batches_done
+        epoch, start = self._pos.epoch, self._pos.batches
         idx = self.sampler.indices(epoch)
         loader = self._torch_loader()
         batches = [self._batch_indices(idx, b).tolist() for b in range(start, len(self))]
@@ -570,7 +553,7 @@ class DataLoader:
             batches = [[(epoch, i) for i in b] for b in batches]
         loader.batch_sampler.batches = batches
         for b, batch in enumerate(loader, start):
-            self._batches_done = b + 1
+            self._pos.batches = b + 1
             yield batch
         self._finish_epoch(epoch)
 

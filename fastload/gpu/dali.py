@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..data.loader import _resolve_distributed
+from ..data.position import EpochPosition
 from ..data.sampler import epoch_indices, samples_per_rank
 from ..errors import FormatError, require
 from ..storage import open_pack
@@ -246,8 +247,7 @@ class DALILoader:
                 f"batch of {batch_size}" + (" with drop_last=True" if drop_last else "")
             )
 
-        self.epoch = 0
-        self.offset = 0  # batches of the current epoch already handed out
+        self._pos = EpochPosition()  # the epoch, and batches of it handed to the caller
         self._pipe = None
         self._iter = None
         self._pipe_next: tuple[int, int] | None = None  # (epoch, offset) the pipeline yields next
@@ -265,41 +265,32 @@ class DALILoader:
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """The dataset indices this rank reads in ``epoch``, in batch order."""
-        return self._source(0, 0).indices(self.epoch if epoch is None else int(epoch))
+        return self._source(0, 0).indices(self._pos.epoch if epoch is None else int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return self._pos.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next (from its start, unless a loaded state resumes it)."""
-        epoch = int(epoch)
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self.epoch:
-            self.epoch, self.offset = epoch, 0
+        self._pos.set_epoch(epoch)
+
+    def _identity(self) -> dict:
+        return {
+            "seed": self.seed, "batch_size": self.batch_size, "num_samples": self.num_samples,
+            "world_size": self.world_size, "rank": self.rank, "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def state_dict(self) -> dict:
         """Where the caller is: epoch and batches consumed in it (the same keys as fastload's
         DataLoader, so a checkpoint names the position the same way for both backends)."""
-        epoch, done = self.epoch, self.offset
-        if done >= len(self):
-            epoch, done = epoch + 1, 0
-        return {
-            "epoch": epoch, "batches": done, "seed": self.seed, "batch_size": self.batch_size,
-            "num_samples": self.num_samples, "world_size": self.world_size, "rank": self.rank,
-            "shuffle": self.shuffle, "drop_last": self.drop_last,
-        }
+        return self._pos.state_dict(num_batches=len(self), identity=self._identity())
 
     def load_state_dict(self, state: dict) -> None:
         """Resume right after the batches recorded in ``state``; refuses a state from a
         different dataset, seed, world size or batch size."""
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
-                          ("num_samples", self.num_samples), ("world_size", self.world_size),
-                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):
-            if key in state and state[key] != mine:
-                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has {mine!r}; "
-                                 "resuming would not reproduce the interrupted run")
-        done = int(state["batches"])
-        if not 0 <= done <= len(self):
-            raise ValueError(f"loader state: batches={done} out of range 0..{len(self)}")
-        self.epoch, self.offset = int(state["epoch"]), done
+        self._pos.load_state_dict(state, num_batches=len(self), identity=self._identity())
 
     # -- the pipeline --------------------------------------------------------------------
     def _start_method(self) -> str:
@@ -379,10 +370,11 @@ class DALILoader:
         gc.collect()  # DALI shuts the pipeline and its Python workers down when they are collected
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        if self.offset >= len(self):  # a resumed state at an epoch's very end
-            self.epoch, self.offset = self.epoch + 1, 0
-        if self._iter is None or self._pipe_next != (self.epoch, self.offset):
-            self._build(self.epoch, self.offset)
+        pos = self._pos
+        if pos.batches >= len(self):  # a resumed state at an epoch's very end
+            pos.next_epoch()
+        if self._iter is None or self._pipe_next != (pos.epoch, pos.batches):
+            self._build(pos.epoch, pos.batches)
         return self._run()
 
     def _run(self) -> Iterator[tuple[Any, Any]]:
@@ -396,14 +388,14 @@ class DALILoader:
                     images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last
                 if self.dtype is torch.bfloat16:
                     images = images.to(torch.bfloat16)
-                self.offset += 1
+                self._pos.batches += 1
                 yield images, targets.to(torch.int64).view(-1)
             finished = True
         finally:
             if finished:
                 # auto_reset has already started the pipeline on its next epoch
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._pipe_next = (self.epoch, 0)
+                self._pos.next_epoch()
+                self._pipe_next = (self._pos.epoch, 0)
             else:
                 self._pipe_next = None  # broken off mid-epoch: prefetched batches are stale
 
