@@ -244,7 +244,9 @@ class ImageFolder:
                         H, W = _jpegcrop.scaled_hw(*hw, reduce)
                     t, l, bh, bw = plan.box_in(H, W, hw)
                     if t >= 0 and l >= 0 and t + bh <= H and l + bw <= W:
-                        crop = _jpegcrop.decode_crop(buf, (t, l, bh, bw), reduce=reduce)
+                        # Into a reused buffer when the crop is resized into dst at once.
+                        out = None if dst is None else _jpegcrop.scratch(_jpegcrop.out_bytes(bh, bw))
+                        crop = _jpegcrop.decode_crop(buf, (t, l, bh, bw), reduce=reduce, out=out)
                         return plan.finish(crop, dst=dst)
                 except Exception as exc:
                     raise self._decode_error(i, exc) from None

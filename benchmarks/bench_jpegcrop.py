@@ -1,0 +1,99 @@
+"""A/B: full JPEG decode (simplejpeg) vs decoding only the crop box (turbo-crop), same run.
+
+    python benchmarks/bench_jpegcrop.py --images 1000 --rounds 5
+
+One process, a ceiling-style tight loop over a jpeg@256 LMDB pack (the sample generator's
+photos re-encoded at shorter side 256, q90): record get + decode + RandomResizedCrop(224) +
+flip into a reused batch buffer, i.e. ``ImageFolder.fill_batch``. Decoders alternate
+A, B, A, B... so a machine shared with other work disturbs both alike; the table gives each
+decoder's best and median microseconds per image over the rounds. Writes the
+``bench_jpegcrop`` section of RESULTS.md unless ``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import table, write_section  # noqa: E402
+
+OUT = 224
+
+
+def _epoch_us(ds, order: np.ndarray, epoch: int) -> float:
+    chunk = 64
+    images = np.empty((chunk, *ds.batch_image_shape()), np.uint8)
+    targets = np.empty(chunk, np.int64)
+    t0 = time.perf_counter()
+    for s in range(0, len(order), chunk):
+        idx = order[s : s + chunk]
+        ds.fill_batch(idx, images[: len(idx)], targets[: len(idx)], epoch=epoch)
+    return (time.perf_counter() - t0) / len(order) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=5, help="A/B alternations (default 5)")
+    ap.add_argument("--workdir", type=Path, default=None, help="where to build the tree and pack (default: a temp dir)")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not update RESULTS.md")
+    args = ap.parse_args(argv)
+
+    from fastload.codecs import jpegcrop
+    from fastload.config import PackConfig
+    from fastload.data.dataset import ImageFolder
+    from fastload.pack import pack
+    from fastload.sample import make_image_folder
+    from fastload.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    if not jpegcrop.available():
+        print("fastload._jpegcrop is not built (needs libjpeg-turbo headers); nothing to compare", file=sys.stderr)
+        return 1
+    tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench_jpegcrop-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    src, dest = tmp / "src", tmp / "jpeg_256_lmdb"
+    classes = 8 if args.images >= 80 else 2
+    if not src.exists():
+        print(f"generating {classes * math.ceil(args.images / classes)} JPEGs in {src} ...", flush=True)
+        make_image_folder(src, num_classes=classes, per_class=math.ceil(args.images / classes))
+    if not (dest / "manifest.json").exists():
+        print("packing jpeg@256 (lmdb) ...", flush=True)
+        pack(src, dest, config=PackConfig(backend="lmdb", payload="jpeg", resize=256, quality=90, progress=False))
+
+    aug = Compose([RandomResizedCrop(OUT), RandomHorizontalFlip()])
+    sets = {name: ImageFolder(dest, aug, decoder=name) for name in ("simplejpeg", "turbo-crop")}
+    order = np.random.default_rng(0).permutation(len(sets["simplejpeg"]))
+    for ds in sets.values():  # warm-up: page cache, shard open, code paths
+        _epoch_us(ds, order, epoch=1)
+    times: dict[str, list[float]] = {name: [] for name in sets}
+    for r in range(args.rounds):
+        for name, ds in sets.items():
+            times[name].append(_epoch_us(ds, order, epoch=r))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.0f} us/img" for n, t in times.items()), flush=True)
+
+    a, b = times["simplejpeg"], times["turbo-crop"]
+    rows = [[f"{name}", f"{min(t):.0f}", f"{statistics.median(t):.0f}", f"{1e6 / statistics.median(t):.0f}"]
+            for name, t in times.items()]
+    speedup = statistics.median(a) / statistics.median(b)
+    body = (
+        f"{len(order)} images of jpeg@256 (LMDB), one process, get + decode + RandomResizedCrop({OUT}) + "
+        f"flip into a reused buffer (`ImageFolder.fill_batch`); decoders alternated over {args.rounds} rounds.\n\n"
+        + table(["decoder", "best us/img", "median us/img", "images/s (median)"], rows)
+        + f"\n\nturbo-crop vs simplejpeg (median): {speedup:.2f}x\n"
+    )
+    print(body)
+    if not args.no_write:
+        write_section("bench_jpegcrop", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
