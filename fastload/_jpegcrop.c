@@ -86,6 +86,12 @@ static int decode_box(Job *job)
      * interior to the region and the pixels equal a full decode's. */
     JDIMENSION x0 = job->left > 0 ? job->left - 1 : 0;
     JDIMENSION x1 = job->left + job->width < full_w ? job->left + job->width + 1 : full_w;
+    /* libjpeg picks plain (not fancy) upsampling for a component only 1-2 samples wide, so a
+     * very narrow region would change pixels: keep it at least 16 columns wide. */
+    if (x1 - x0 < 16) {
+        x1 = x0 + 16 < full_w ? x0 + 16 : full_w;
+        x0 = x1 > 16 ? x1 - 16 : 0;
+    }
     JDIMENSION xoff = x0, xw = x1 - x0;
     if (xw < full_w)
         jpeg_crop_scanline(cinfo, &xoff, &xw); /* moves xoff left to an iMCU boundary */
@@ -136,7 +142,7 @@ PyDoc_STRVAR(decode_crop_doc,
 "must lie inside the scaled image. Rows are decoded straight into `out` (a C-contiguous\n"
 "writable buffer; ValueError names the bytes needed if it is too small) or a new bytearray,\n"
 "region-wide: pixel (y, x, c) of the box is at offset + y*row_stride + x*3 + c. Returns the\n"
-"buffer, the box size, row_stride and offset. height*(width+34)*3 bytes always suffice.\n"
+"buffer, the box size, row_stride and offset. height*(max(width+2, 16)+32)*3 bytes always suffice.\n"
 "Raises JpegError for corrupt data and Unsupported for CMYK/YCCK JPEGs.");
 
 static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -219,7 +225,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
     long imcu = (long)cinfo->max_h_samp_factor * (long)cinfo->min_DCT_scaled_size;
     if (cinfo->num_components == 1 || imcu < 1)
         imcu = cinfo->min_DCT_scaled_size > 0 ? cinfo->min_DCT_scaled_size : 8;
-    long region = width + 2 + imcu;
+    long region = (width + 2 > 16 ? width + 2 : 16) + imcu;
     if (region > W)
         region = W;
     job->stride = (size_t)region * 3;

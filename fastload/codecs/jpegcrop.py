@@ -71,8 +71,9 @@ def header(buf) -> tuple[int, int]:
 
 def out_bytes(height: int, width: int) -> int:
     """Bytes an ``out`` buffer needs for a height x width box: rows are decoded region-wide
-    (the box, a column either side, back to an iMCU boundary of at most 32 pixels)."""
-    return int(height) * (int(width) + 34) * 3
+    (the box and a column either side, at least 16 columns, back to an iMCU boundary of at
+    most 32 pixels)."""
+    return int(height) * (max(int(width) + 2, 16) + 32) * 3
 
 
 def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: int = 1,

@@ -1,0 +1,283 @@
+"""turbo-crop: the C extension fastload._jpegcrop and its use by ImageFolder.
+
+The cropped decode must equal the same box cut from a full decode at the same scale, exactly
+(the extension decodes one extra column each side so fancy chroma upsampling sees the same
+neighbours); the whole-image decode must equal simplejpeg's (same libjpeg-turbo settings).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+
+import cv2
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastload import transforms as T
+from fastload.codecs import jpeg, jpegcrop
+from fastload.data.dataset import ImageFolder
+from fastload.errors import DecodeError
+
+from _data_helpers import collect, make_pack
+
+pytestmark = pytest.mark.skipif(not jpegcrop.available(), reason="fastload._jpegcrop not built (no libjpeg-turbo headers)")
+
+SAMPLING = {
+    "420": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_420,
+    "422": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422,
+    "444": cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444,
+}
+
+
+def _photo(h: int = 203, w: int = 317) -> np.ndarray:
+    """A smooth photo-like RGB image with edges and colour (chroma upsampling matters)."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([128 + 100 * np.sin(x / 13.0), 128 + 100 * np.cos(y / 9.0), (x * 3 + y * 5) % 256], axis=2)
+    img[h // 3 : h // 2, w // 4 : w // 2] = (250, 10, 40)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _encode(img: np.ndarray, sampling: str = "420", progressive: bool = False) -> bytes:
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_SAMPLING_FACTOR, SAMPLING[sampling]]
+    if progressive:
+        params += [cv2.IMWRITE_JPEG_PROGRESSIVE, 1]
+    ok, buf = cv2.imencode(".jpg", cv2.cvtColor(img, cv2.COLOR_RGB2BGR), params)
+    assert ok
+    return buf.tobytes()
+
+
+_JPEGS = {(s, p): _encode(_photo(), s, p) for s in SAMPLING for p in (False, True)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(sorted(_JPEGS)), reduce=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_crop_equals_full_decode_cropped_exactly(key, reduce, data):
+    buf = _JPEGS[key]
+    full = jpegcrop.decode(buf, reduce=reduce)
+    H, W = full.shape[:2]
+    assert (H, W) == jpegcrop.scaled_hw(203, 317, reduce)
+    t = data.draw(st.integers(0, H - 1))
+    l = data.draw(st.integers(0, W - 1))
+    h = data.draw(st.integers(1, H - t))
+    w = data.draw(st.integers(1, W - l))
+    crop = jpegcrop.decode_crop(buf, (t, l, h, w), reduce=reduce)
+    assert crop.shape == (h, w, 3)
+    np.testing.assert_array_equal(crop, full[t : t + h, l : l + w])
+
+
+@pytest.mark.parametrize("reduce", [1, 2, 4, 8])
+@pytest.mark.parametrize("key", sorted(_JPEGS))
+def test_full_decode_equals_simplejpeg(key, reduce):
+    import simplejpeg
+
+    buf = _JPEGS[key]
+    ref = jpeg.decode(buf, backend="simplejpeg", reduce=reduce)
+    np.testing.assert_array_equal(jpeg.decode(buf, backend="turbo-crop", reduce=reduce), ref)
+    assert simplejpeg.decode_jpeg_header(buf)[:2] == jpegcrop.header(buf)
+
+
+def test_decode_into_out_buffer_and_its_size_check():
+    buf = _JPEGS[("420", False)]
+    out = np.zeros(jpegcrop.out_bytes(50, 60), np.uint8)
+    crop = jpegcrop.decode_crop(buf, (10, 33, 50, 60), out=out)
+    assert np.shares_memory(crop, out)
+    np.testing.assert_array_equal(crop, jpegcrop.decode(buf)[10:60, 33:93])
+    with pytest.raises(ValueError, match="bytes"):
+        jpegcrop.decode_crop(buf, (10, 33, 50, 60), out=np.zeros(50 * 60 * 3 - 1, np.uint8))
+
+
+def test_box_outside_the_image_is_a_clear_error():
+    buf = _JPEGS[("420", False)]
+    with pytest.raises(ValueError, match="not inside the 102x159 image"):
+        jpegcrop.decode_crop(buf, (100, 0, 5, 5), reduce=2)
+    with pytest.raises(ValueError, match="reduce"):
+        jpegcrop.decode_crop(buf, (0, 0, 5, 5), reduce=3)
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.95])
+def test_truncated_jpeg_raises_decode_error(cut):
+    buf = _JPEGS[("420", False)]
+    with pytest.raises(DecodeError, match="JPEG"):
+        jpegcrop.decode_crop(buf[: int(len(buf) * cut)], (0, 0, 200, 300))
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xff\xd8", b"not a jpeg at all", bytes(range(256)) * 4])
+def test_garbage_raises_decode_error(payload):
+    with pytest.raises(DecodeError):
+        jpegcrop.decode(payload)
+
+
+def test_corrupt_entropy_data_raises_not_grey_fill():
+    buf = bytearray(_JPEGS[("420", False)])
+    sos = buf.index(b"\xff\xda")
+    rng = np.random.default_rng(0)
+    for k in rng.integers(sos + 40, len(buf) - 10, 60):  # scribble over the scan data
+        buf[k] = 0xFF if buf[k] != 0xFF else 0x00
+    with pytest.raises(DecodeError):
+        jpegcrop.decode(bytes(buf))
+
+
+def test_grayscale_jpeg_gives_three_equal_channels():
+    gray = cv2.cvtColor(_photo(), cv2.COLOR_RGB2GRAY)
+    ok, buf = cv2.imencode(".jpg", gray, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    assert jpegcrop.header(buf) == gray.shape
+    crop = jpegcrop.decode_crop(buf, (20, 30, 40, 50))
+    assert crop.shape == (40, 50, 3)
+    assert (crop[..., 0] == crop[..., 1]).all() and (crop[..., 1] == crop[..., 2]).all()
+    assert np.abs(crop[..., 0].astype(int) - gray[20:60, 30:80]).mean() < 2
+
+
+def test_cmyk_jpeg_falls_back_to_opencv():
+    from PIL import Image
+
+    rgb = _photo(64, 80)
+    bio = io.BytesIO()
+    Image.fromarray(rgb).convert("CMYK").save(bio, "JPEG", quality=95)
+    data = bio.getvalue()
+    with pytest.raises(jpegcrop._ext().Unsupported):
+        jpegcrop._ext().decode_crop(data)
+    crop = jpegcrop.decode_crop(data, (5, 7, 30, 40))
+    np.testing.assert_array_equal(crop, jpeg.decode(data, backend="cv2")[5:35, 7:47])
+
+
+def test_decodes_in_threads_concurrently():
+    """The GIL is released around libjpeg: threads decoding at once get the right pixels."""
+    buf = _JPEGS[("420", True)]
+    ref = jpegcrop.decode(buf)
+    errors = []
+
+    def run(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(40):
+            t, l = int(rng.integers(0, 150)), int(rng.integers(0, 250))
+            out = jpegcrop.scratch(jpegcrop.out_bytes(50, 60))
+            if not np.array_equal(jpegcrop.decode_crop(buf, (t, l, 50, 60), out=out), ref[t : t + 50, l : l + 60]):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+
+
+# -- ImageFolder with decoder="turbo-crop" --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jpeg_pack(tmp_path_factory):
+    from fastload.sample import make_image_folder
+
+    root = tmp_path_factory.mktemp("jc")
+    make_image_folder(root / "src", num_classes=3, per_class=6, size=(150, 200), seed=3)
+    return make_pack(root / "src", root / "pack", payload="jpeg", quality=90)
+
+
+AUG = T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip()])
+
+
+def test_auto_prefers_turbo_crop(jpeg_pack):
+    assert ImageFolder(jpeg_pack).decoder == "turbo-crop"
+    assert ImageFolder(jpeg_pack, decoder="simplejpeg").decoder == "simplejpeg"
+
+
+def test_batch_equals_simplejpeg_batch(jpeg_pack):
+    """Same seed: identical crop boxes (the plan does not depend on the decoder) and the same
+    libjpeg-turbo pixels, so the batches are equal (bound: mean abs diff < 0.5; in practice 0)."""
+    a = ImageFolder(jpeg_pack, AUG, decoder="turbo-crop")
+    b = ImageFolder(jpeg_pack, AUG, decoder="simplejpeg")
+    idx = np.arange(len(a))
+    imgs = [np.zeros((len(a), 96, 96, 3), np.uint8) for _ in range(2)]
+    tg = [np.zeros(len(a), np.int64) for _ in range(2)]
+    a.fill_batch(idx, imgs[0], tg[0], epoch=2)
+    b.fill_batch(idx, imgs[1], tg[1], epoch=2)
+    assert np.array_equal(tg[0], tg[1])
+    assert np.abs(imgs[0].astype(int) - imgs[1].astype(int)).mean() < 0.5
+    for i in (0, 7, 17):  # the per-sample path gives the batch's pixels
+        np.testing.assert_array_equal(a.load(i, epoch=2), imgs[0][i])
+
+
+@pytest.mark.parametrize("t", [
+    T.Compose([T.Resize(60), T.CenterCrop(50)]),  # reduce 2: DCT-downscaled box
+    T.Compose([T.CenterCrop(300)]),  # box larger than the image: padded, full-decode path
+    T.Compose([T.RandomResizedCrop(40, scale=(0.9, 1.0))]),  # reduce 2 or 4
+])
+def test_other_plans_match_simplejpeg(jpeg_pack, t):
+    a = ImageFolder(jpeg_pack, t, decoder="turbo-crop")
+    b = ImageFolder(jpeg_pack, t, decoder="simplejpeg")
+    for i in (0, 5, 11):
+        x, y = a[i][0], b[i][0]
+        assert x.shape == y.shape
+        assert np.abs(x.astype(int) - y.astype(int)).mean() < 0.5
+
+
+def test_loader_workers_give_the_same_batches(jpeg_pack):
+    from fastload.data.loader import DataLoader
+
+    ds = ImageFolder(jpeg_pack, AUG)
+    assert ds.decoder == "turbo-crop"
+    runs = []
+    for workers in (0, 2):
+        loader = DataLoader(ds, 5, num_workers=workers, seed=7)
+        try:
+            runs.append(collect(loader))
+        finally:
+            loader.close()
+    assert len(runs[0]) == len(runs[1]) == 4
+    for (x, tx), (y, ty) in zip(*runs):
+        assert np.array_equal(x.numpy(), y.numpy()) and np.array_equal(tx.numpy(), ty.numpy())
+    assert len(pickle.dumps(ds)) < 20_000
+
+
+def test_corrupt_record_error_names_the_shard(jpeg_pack, tmp_path):
+    import shutil
+
+    from fastload.storage import open_pack
+
+    pack = tmp_path / "pack"
+    shutil.copytree(jpeg_pack, pack)
+    reader = open_pack(pack)
+    k, j = reader.locate(4)
+    shard = reader.shard_path(k)
+    data = bytearray(shard.read_bytes())
+    rec = bytes(reader.get(4))
+    pos = data.index(rec)
+    data[pos + len(rec) // 2 : pos + len(rec)] = b"\x00" * (len(rec) - len(rec) // 2)  # zero the tail of its scan
+    shard.write_bytes(bytes(data))
+    # A box covering the whole image: the decoder stops after a box's last row, so damage
+    # below a random crop box would (rightly) go unnoticed.
+    ds = ImageFolder(pack, T.Resize((100, 100)), check_files=False)
+    assert ds.decoder == "turbo-crop"
+    with pytest.raises(DecodeError, match=rf"{shard.name}.*record {j}.*dataset index 4"):
+        ds.load(4)
+
+
+def test_original_payload_exif_orientation_kept_with_crop_plan(tmp_path):
+    """Originals with EXIF keep going through OpenCV (orientation applied); plain JPEGs take
+    the crop decoder; both give what a PIL-oriented decode + the same plan gives."""
+    from PIL import Image
+
+    from fastload.image import load_source
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    base = _photo(48, 64)
+    for orientation in (1, 3, 6):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(base).save(src / "a" / f"o{orientation}.jpg", quality=95, exif=exif.tobytes())
+    Image.fromarray(base).save(src / "a" / "plain.jpg", quality=95)
+    pack = make_pack(src, tmp_path / "pack", payload="original")
+    t = T.Compose([T.CenterCrop(40), T.Resize((20, 20))])
+    ds = ImageFolder(pack, t)
+    assert ds.decoder == "turbo-crop"
+    for i, (path, _) in enumerate(ds.samples):
+        expected = t(load_source((src / path).read_bytes()), rng=np.random.default_rng(0))
+        got = ds[i][0]
+        assert got.shape == expected.shape == (20, 20, 3)
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 3, f"{path}: orientation or crop wrong"
