@@ -20,6 +20,22 @@ if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then
     fi
 fi
 
+# fastload's optional C extension (cropped JPEG decode, fastload._jpegcrop) compiles against
+# libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) with a C compiler. Without them pip
+# skips the extension and fastload decodes with simplejpeg/OpenCV instead.
+if [ ! -f /usr/include/jpeglib.h ] || ! command -v cc >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "[install] apt-get install libjpeg62-turbo-dev gcc"
+        apt-get update -qq
+        # libjpeg62-turbo-dev on Debian; libjpeg-dev names the libjpeg-turbo headers on Ubuntu too.
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjpeg62-turbo-dev gcc >/dev/null \
+            || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjpeg-dev gcc >/dev/null \
+            || echo "[install] warning: could not install libjpeg62-turbo-dev; the turbo-crop decoder will be unavailable" >&2
+    else
+        echo "[install] warning: no jpeglib.h or C compiler and cannot apt-get them; the turbo-crop decoder will be unavailable" >&2
+    fi
+fi
+
 py=${PYTHON:-python3}
 # Never let pip resolve an unpinned torch (it would pull GBs of CUDA wheels on a CPU box):
 # keep the torch that is installed (a GPU user's CUDA build), else install the pinned CPU build.
@@ -33,3 +49,8 @@ trap 'rm -f "$constraints"' EXIT
 
 echo "[install] pip install -e .[$extras]"
 "$py" -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[$extras]"
+if "$py" -c "import fastload._jpegcrop" >/dev/null 2>&1; then
+    echo "[install] built fastload._jpegcrop (turbo-crop JPEG decoder)"
+else
+    echo "[install] note: fastload._jpegcrop not built; decoding falls back to simplejpeg/OpenCV" >&2
+fi
