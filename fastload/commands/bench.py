@@ -75,7 +75,7 @@ def register(subparsers) -> None:
                    help="time each setting at least this long, beyond --batches (default 1.0)")
     p.add_argument("--warmup", type=int, default=2, help="untimed batches first (worker start-up; default 2)")
     p.add_argument("--crop", type=int, default=224, help="RandomResizedCrop size (default 224)")
-    p.add_argument("--decoder", default="auto", help="JPEG decoder: auto, cv2, simplejpeg, jpeg4py, pil")
+    p.add_argument("--decoder", default="auto", help="JPEG decoder: auto, turbo-crop, cv2, simplejpeg, jpeg4py, pil")
     p.add_argument("--plot", type=Path, default=None, help="save images/s vs workers to this PNG (needs matplotlib)")
     p.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
