@@ -10,7 +10,7 @@ extras="dali"
 [ "${1:-}" = "--test" ] && extras="dali,test"
 
 # jpeg4py needs libjpeg-turbo's shared library (Debian: libturbojpeg0).
-if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then
+if ! ldconfig -p 2>/dev/null | grep libturbojpeg >/dev/null; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         echo "[install] apt-get install libturbojpeg0"
         apt-get update -qq
