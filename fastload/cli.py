@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except OSError as exc:
-        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        where = f" {exc.filename}:" if getattr(exc, "filename", None) else ""
         print(f"fastload {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
 

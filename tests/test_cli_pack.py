@@ -112,6 +112,8 @@ def test_bad_sources_and_dest(small_src, tmp_path):
     bin_src = tmp_path / "photo.bin"
     bin_src.write_bytes(b"\xff\xd8\xff\x00\x9c")
     _one_error_line(run_cli("pack", bin_src, tmp_path / "o5"), 1, "photo.bin", "not a UTF-8")
+    # An OSError names its path, then says what is wrong: "PATH: Not a directory".
+    _one_error_line(run_cli("pack", small_src, bin_src / "o6"), 1, f"{bin_src / 'o6'}: Not a directory")
 
 
 def test_inspect_and_verify_refuse_unfinished_or_missing(tmp_path):
