@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on: the default for every worker and thread count.
+
+    The scheduler affinity, not ``os.cpu_count()``: under ``taskset`` or a container's cpuset
+    the machine's total would start more processes than there are cores to run them.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 class OnError(str, enum.Enum):

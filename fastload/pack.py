@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import OnError, PackConfig
+from .config import OnError, PackConfig, usable_cpus
 from .errors import DecodeError, FastloadError, PackError
 from .scan import SourceListing, list_source, scan_source
 from .schema import (
@@ -459,7 +459,7 @@ class _PackRun:
         relpaths = listing.relpaths[first : self.stop]
         labels = listing.labels[first : self.stop]
         todo = len(relpaths)
-        workers = min(cfg.workers or os.cpu_count() or 1, max(1, todo))
+        workers = min(cfg.workers or usable_cpus(), max(1, todo))
         fn = functools.partial(_process, enc)
         bar = _progress(cfg, total=self.stop - self.start, initial=self.position)
         pool = feeder = None

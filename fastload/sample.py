@@ -10,13 +10,14 @@ are learnable: a CNN must tell which photograph a crop came from.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ProcessPoolExecutor
 from importlib import resources
 from pathlib import Path
 
 import cv2
 import numpy as np
+
+from .config import usable_cpus
 
 PHOTOS = ("astronaut", "brick", "cat", "coffee", "grass", "hubble", "retina", "rocket")
 
@@ -95,7 +96,7 @@ def make_image_folder(
     root.mkdir(parents=True, exist_ok=True)
     names = class_names(num_classes)
     jobs = [(str(root), c, names[c], per_class, tuple(size), seed, quality) for c in range(num_classes)]
-    workers = min(workers or os.cpu_count() or 1, num_classes)
+    workers = min(workers or usable_cpus(), num_classes)
     if workers <= 1:
         for j in jobs:
             _make_class(j)

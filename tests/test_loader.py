@@ -378,3 +378,20 @@ def test_load_state_refuses_a_different_run(change):
     other = DataLoader(IndexDataset(17), num_workers=0, **{**args, **change})
     with pytest.raises(ValueError, match=next(iter(change))):
         other.load_state_dict(state)
+
+
+def test_default_workers_follow_cpu_affinity_not_the_machine_total():
+    # Under taskset or a container cpuset, os.cpu_count() overcounts; every default worker
+    # count (DataLoader, pack, sample data, bench) comes from the affinity mask instead.
+    code = textwrap.dedent(
+        """
+        import os
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        from fastload.config import usable_cpus
+        from fastload.data.loader import DataLoader
+        from fastload.commands.bench import default_workers
+        print(usable_cpus(), DataLoader(list(range(4)), 2).num_workers, default_workers())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split(None, 2) == ["1", "1", "[0, 1]\n"]

@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..config import usable_cpus
+
 
 @dataclass(frozen=True)
 class BenchPoint:
@@ -51,7 +53,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def default_workers() -> list[int]:
-    n = os.cpu_count() or 1
+    n = usable_cpus()
     vals = {0, n}
     k = 1
     while k < n:

@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..config import usable_cpus
 from ..errors import DecodeError, FastloadError, FormatError
 from .collate import collate_uint8
 from .position import EpochPosition
@@ -65,13 +66,6 @@ class WorkerError(FastloadError):
     in the exception's notes, which Python prints with an uncaught traceback."""
 
     worker_traceback: str = ""
-
-
-def _default_workers() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def _resolve_distributed(distributed) -> tuple[int, int]:
@@ -355,7 +349,7 @@ class DataLoader:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
-        self.num_workers = _default_workers() if num_workers is None else int(num_workers)
+        self.num_workers = usable_cpus() if num_workers is None else int(num_workers)
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.rank, self.world_size = _resolve_distributed(distributed)

@@ -18,13 +18,13 @@ batches. Augmentation randomness comes from DALI's own generator seeded from
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..config import usable_cpus
 from ..data.loader import _resolve_distributed
 from ..data.position import EpochPosition
 from ..data.sampler import epoch_indices, samples_per_rank
@@ -219,7 +219,7 @@ class DALILoader:
         self.resize_ratio = float(resize_ratio)
         # the same convention as fastload.DataLoader (None: from torch.distributed if initialised)
         self.rank, self.world_size = _resolve_distributed(distributed)
-        self.num_threads = int(num_threads) if num_threads else max(1, min(8, os.cpu_count() or 1))
+        self.num_threads = int(num_threads) if num_threads else max(1, min(8, usable_cpus()))
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
         self.prefetch_queue_depth = int(prefetch_queue_depth)

@@ -9,7 +9,6 @@ code uses the CUDA prefetcher (or DALI with ``backend="dali"``) and mixed precis
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..config import usable_cpus
 from ..gpu.transforms import IMAGENET_MEAN as IMAGENET_MEAN_01
 from ..gpu.transforms import IMAGENET_STD as IMAGENET_STD_01
 
@@ -173,7 +173,7 @@ def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     precision = _pick_precision(cfg.precision, device)
-    workers = cfg.workers if cfg.workers is not None else (os.cpu_count() or 1)
+    workers = cfg.workers if cfg.workers is not None else usable_cpus()
     train_dir, val_dir, data_info = _prepare_data(cfg, say)
 
     common = dict(backend=cfg.backend, crop=cfg.crop, mean=IMAGENET_MEAN_01, std=IMAGENET_STD_01, device=device,
