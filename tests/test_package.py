@@ -47,3 +47,12 @@ def test_py_typed_is_shipped():
     from importlib import resources
 
     assert (resources.files("fastload") / "py.typed").is_file()
+
+
+def test_help_lists_every_sub_command_in_order():
+    from fastload.commands import COMMANDS
+
+    out = subprocess.run([sys.executable, "-m", "fastload", "--help"], capture_output=True, text=True, check=True)
+    lines = out.stdout.split("COMMAND\n", 1)[1].splitlines()
+    listed = [ln.split()[0] for ln in lines if ln.startswith("    ") and not ln.startswith("     ")]
+    assert tuple(listed) == COMMANDS
