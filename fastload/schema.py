@@ -98,6 +98,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "manifest") -> Manifest:
+        if not isinstance(d, dict):
+            raise FormatError(f"{where}: not a fastload manifest (a JSON {type(d).__name__}, not an object)")
         if d.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not a fastload manifest (format={d.get('format')!r})")
         version = d.get("version")
@@ -112,7 +114,7 @@ class Manifest:
                 payload=str(d["payload"]),
                 num_samples=int(d["num_samples"]),
                 classes=tuple(str(c) for c in d["classes"]),
-                shards=tuple(ShardEntry(**s) for s in d["shards"]),
+                shards=tuple(_shard_entry(s, where) for s in d["shards"]),
                 image_shape=tuple(d["image_shape"]) if d.get("image_shape") else None,
                 options=dict(d.get("options") or {}),
                 skipped=tuple(SkippedInput(**s) for s in d.get("skipped") or ()),
@@ -130,6 +132,14 @@ class Manifest:
         return m
 
 
+def _shard_entry(s: dict[str, Any], where: str) -> ShardEntry:
+    e = ShardEntry(**s)
+    if not (isinstance(e.file, str) and isinstance(e.sha256, str)
+            and type(e.num_samples) is int and type(e.bytes) is int):
+        raise FormatError(f"{where}: malformed manifest (bad shard entry {s!r})")
+    return e
+
+
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Write atomically (temp file, fsync, rename) so a reader never sees half a manifest."""
     tmp = path.with_name(path.name + ".tmp")
@@ -145,6 +155,8 @@ def read_manifest(path: Path) -> Manifest:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FormatError(f"{path}: manifest not found") from None
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: manifest is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:

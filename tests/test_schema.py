@@ -80,6 +80,12 @@ def test_refuses_bad_manifests():
     del d["shards"]
     with pytest.raises(FormatError, match="malformed"):
         Manifest.from_dict(d)
+    with pytest.raises(FormatError, match="not a fastload manifest"):
+        Manifest.from_dict([])  # valid JSON, but not an object
+    d = _base()
+    d["shards"][0]["num_samples"] = "3"
+    with pytest.raises(FormatError, match="bad shard entry"):
+        Manifest.from_dict(d)
 
 
 def test_read_manifest_errors_name_the_file(tmp_path):
@@ -87,6 +93,9 @@ def test_read_manifest_errors_name_the_file(tmp_path):
         read_manifest(tmp_path / "manifest.json")
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"manifest\.json: manifest is not valid JSON"):
+        read_manifest(tmp_path / "manifest.json")
+    (tmp_path / "manifest.json").write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(FormatError, match=r"manifest\.json: manifest is not UTF-8"):
         read_manifest(tmp_path / "manifest.json")
     future = _base(version=FORMAT_VERSION + 1)
     (tmp_path / "manifest.json").write_text(json.dumps(future))
