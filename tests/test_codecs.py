@@ -133,3 +133,14 @@ def test_original_decodes_what_opencv_cannot(tmp_path):
     out = get_codec("original").decode(buf.getvalue())
     assert out.shape == (10, 12, 3)
     assert get_codec("original").decode(buf.getvalue(), reduce=2).shape == (5, 6, 3)  # PIL path honours reduce
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_every_codec_has_the_protocol_signatures(name):
+    import inspect
+
+    codec = get_codec(name)
+    dec = inspect.signature(codec.decode).parameters
+    assert list(dec)[0] == "buf" and dec["shape"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in dec.values())  # ignores others' options
+    assert list(inspect.signature(codec.encode).parameters)[0] == "img"

@@ -7,7 +7,7 @@ and readers look it up here with :func:`get_codec`. Images are HWC uint8 RGB arr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -17,10 +17,14 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
 class Encoder(Protocol):
+    """A codec's ``encode``: HWC uint8 RGB pixels to payload bytes (options: quality...)."""
+
     def __call__(self, img: np.ndarray, **options) -> bytes: ...
 
 
 class Decoder(Protocol):
+    """A codec's ``decode``: payload bytes to HWC uint8 RGB (``shape`` from the shard index)."""
+
     def __call__(self, buf: Buffer, *, shape: tuple[int, int, int] | None = None, **options) -> np.ndarray: ...
 
 
@@ -29,8 +33,8 @@ class Codec:
     """A named payload format. ``lossless`` says decode(encode(x)) == x exactly."""
 
     name: str
-    encode: Callable[..., bytes]
-    decode: Callable[..., np.ndarray]
+    encode: Encoder
+    decode: Decoder
     lossless: bool
     needs_shape: bool = False  # decode needs the stored shape (raw pixels)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import Buffer
 from ._cv import imdecode_rgb, imencode_rgb
 
 NAME = "bmp"
@@ -14,5 +15,5 @@ def encode(img: np.ndarray) -> bytes:
     return imencode_rgb(img, ".bmp")
 
 
-def decode(buf, *, shape=None, **_) -> np.ndarray:
+def decode(buf: Buffer, *, shape: tuple[int, int, int] | None = None, **_) -> np.ndarray:
     return imdecode_rgb(buf)

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 
 from ..errors import DecodeError
+from . import Buffer
 from ._cv import as_u8, imdecode_rgb, imencode_rgb
 
 NAME = "jpeg"
@@ -29,7 +30,7 @@ def encode(img: np.ndarray, *, quality: int = 90) -> bytes:
     return imencode_rgb(img, ".jpg", [cv2.IMWRITE_JPEG_QUALITY, int(quality)])
 
 
-def decode(buf, *, shape=None, backend: str = "cv2", reduce: int = 1, **_) -> np.ndarray:
+def decode(buf: Buffer, *, shape: tuple[int, int, int] | None = None, backend: str = "cv2", reduce: int = 1, **_) -> np.ndarray:
     try:
         fn = _BACKEND_FUNCS[backend]
     except KeyError:

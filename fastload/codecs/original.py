@@ -6,6 +6,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from ..image import load_source
+from . import Buffer
 from ._cv import as_u8, imdecode_rgb, shrink
 
 NAME = "original"
@@ -16,7 +17,7 @@ def encode(img: np.ndarray) -> bytes:  # pragma: no cover - packing copies bytes
     raise TypeError("the 'original' payload stores source bytes; it has no encoder")
 
 
-def decode(buf, *, shape=None, reduce: int = 1, **_) -> np.ndarray:
+def decode(buf: Buffer, *, shape: tuple[int, int, int] | None = None, reduce: int = 1, **_) -> np.ndarray:
     """Decode with OpenCV; fall back to PIL for what OpenCV cannot read (CMYK oddities, GIF...)."""
     try:
         return imdecode_rgb(buf, reduce=reduce)

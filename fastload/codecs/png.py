@@ -5,6 +5,7 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
+from . import Buffer
 from ._cv import imdecode_rgb, imencode_rgb
 
 NAME = "png"
@@ -15,5 +16,5 @@ def encode(img: np.ndarray, *, compression: int = 3) -> bytes:
     return imencode_rgb(img, ".png", [cv2.IMWRITE_PNG_COMPRESSION, int(compression)])
 
 
-def decode(buf, *, shape=None, **_) -> np.ndarray:
+def decode(buf: Buffer, *, shape: tuple[int, int, int] | None = None, **_) -> np.ndarray:
     return imdecode_rgb(buf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DecodeError
+from . import Buffer
 from ._cv import as_u8, check_rgb
 
 NAME = "raw"
@@ -17,7 +18,7 @@ def encode(img: np.ndarray) -> bytes:
     return np.ascontiguousarray(img).tobytes()
 
 
-def decode(buf, *, shape=None, **_) -> np.ndarray:
+def decode(buf: Buffer, *, shape: tuple[int, int, int] | None = None, **_) -> np.ndarray:
     """A zero-copy (read-only) view of the pixels; ``shape`` comes from the shard index."""
     if shape is None:
         raise ValueError("raw payloads need the record's shape to decode")
