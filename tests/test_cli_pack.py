@@ -144,6 +144,10 @@ def test_verify_catches_a_flipped_byte_anywhere(small_src, tmp_path, backend):
     shards[0].write_bytes(shards[0].read_bytes()[:-100])
     t = run_cli("verify", dest)
     assert t.returncode == 1 and "truncated" in t.stderr
+    assert t.stderr.count(shards[0].name) == 1, t.stderr  # one line per problem shard
+    shards[0].unlink()
+    m = run_cli("verify", dest)
+    assert m.returncode == 1 and m.stderr.count(shards[0].name) == 1 and "missing" in m.stderr, m.stderr
 
 
 def test_verify_decode_finds_an_undecodable_record(tmp_path):

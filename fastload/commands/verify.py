@@ -39,8 +39,10 @@ def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], i
             problems.append(f"{p}: size {p.stat().st_size} bytes, manifest says {s.bytes} (truncated or replaced)")
             bad.add(s.file)
     for msg in r.verify_checksums():
-        problems.append(msg)
-        bad.add(Path(msg.split(": ", 1)[0]).name)
+        name = Path(msg.split(": ", 1)[0]).name
+        if name not in bad:  # a missing or wrong-sized shard is already reported: one line each
+            problems.append(msg)
+            bad.add(name)
     codec = get_codec(r.payload) if decode else None
     n_classes = len(r.classes)
     for k, s in enumerate(r.shard_entries):
