@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import re
 import signal
+from contextlib import contextmanager
 import sys
 import threading
 import time
@@ -176,14 +177,14 @@ def _sibling_patterns(parts: int) -> list[re.Pattern]:
     return [
         re.compile(rf"^p\d{{5}}-of-{n}-shard-\d{{5}}\.(lmdb|h5){tail}$"),
         re.compile(rf"^manifest-p\d{{5}}-of-{n}\.json(\.tmp)?$"),
-        re.compile(rf"^\.fastload-pack-p\d{{5}}-of-{n}\.json(\.tmp)?$"),
+        re.compile(rf"^\.fastload-pack-p\d{{5}}-of-{n}\.json(\.tmp|\.lock)?$"),
     ]
 
 
 _ANY_FASTLOAD = [
     re.compile(r"^(p\d{5}-of-\d{5}-)?shard-\d{5}\.(lmdb|h5)(\.tmp|\.blob\.tmp|\.tmp-lock)?$"),
     re.compile(r"^manifest(-p\d{5}-of-\d{5})?\.json(\.tmp)?$"),
-    re.compile(r"^\.fastload-pack(-p\d{5}-of-\d{5})?\.json(\.tmp)?$"),
+    re.compile(r"^\.fastload-pack(-p\d{5}-of-\d{5})?\.json(\.tmp|\.lock)?$"),
 ]
 
 
@@ -196,14 +197,43 @@ def _remove(paths) -> None:
         Path(p).unlink(missing_ok=True)
 
 
-def _prepare_dest(dest: Path, cfg: PackConfig, key: str) -> dict | None:
-    """Make DEST ready; returns the journal to resume from, or None for a fresh start."""
+@contextmanager
+def _part_lock(dest: Path, cfg: PackConfig):
+    """Hold an exclusive lock on this part of DEST while packing, so a second run of the same
+    command (or the same ``--part``) into DEST fails at once instead of corrupting the first."""
     if dest.exists() and not dest.is_dir():
         raise PackError(f"{dest}: destination exists and is not a directory")
     dest.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield
+        return
+    path = dest / (journal_name(cfg.part, cfg.parts) + ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            what = "this DEST" if cfg.parts == 1 else f"part {cfg.part}/{cfg.parts} of this DEST"
+            raise PackError(
+                f"{dest}: another fastload pack is writing {what} now ({path.name} is locked); "
+                "wait for it to finish or stop it"
+            ) from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still held, so a later run locks a fresh file
+    finally:
+        os.close(fd)
+
+
+def _prepare_dest(dest: Path, cfg: PackConfig, key: str) -> dict | None:
+    """Make DEST ready; returns the journal to resume from, or None for a fresh start."""
     own = _own_patterns(cfg.part, cfg.parts)
     siblings = _sibling_patterns(cfg.parts)
-    names = sorted(os.listdir(dest))
+    lock = journal_name(cfg.part, cfg.parts) + ".lock"
+    names = sorted(n for n in os.listdir(dest) if n != lock)
     mine = [n for n in names if _matches(n, own)]
     foreign = [n for n in names if not _matches(n, own) and not _matches(n, siblings)]
     if cfg.overwrite:
@@ -340,9 +370,10 @@ def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = No
         raise PackError(f"{source}: no images found")
     start, stop = _part_bounds(cfg, n)
     key = _source_key(cfg, listing)
-    resume = _prepare_dest(dest, cfg, key)
-    run = _PackRun(cfg, listing, dest, key, start, stop, resume)
-    run.execute()
+    with _part_lock(dest, cfg):
+        resume = _prepare_dest(dest, cfg, key)
+        run = _PackRun(cfg, listing, dest, key, start, stop, resume)
+        run.execute()
     seconds = time.perf_counter() - t0
     return PackSummary(
         packed=run.packed,

@@ -116,6 +116,30 @@ def test_bad_sources_and_dest(small_src, tmp_path):
     _one_error_line(run_cli("pack", small_src, bin_src / "o6"), 1, f"{bin_src / 'o6'}: Not a directory")
 
 
+def test_a_second_pack_into_the_same_dest_part_is_refused_while_the_first_runs(small_src, tmp_path):
+    import fcntl
+
+    one = tmp_path / "one"
+    one.mkdir()
+    # Hold the lock a running `fastload pack` holds (a real flock, as a first run would).
+    with open(one / ".fastload-pack.json.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _one_error_line(run_cli("pack", small_src, one), 1, "another fastload pack is writing this DEST")
+        _one_error_line(run_cli("pack", small_src, one, "--overwrite"), 1, "another fastload pack")
+    assert run_cli("pack", small_src, one, "-q").returncode == 0
+    assert not list(one.glob("*.lock")), sorted(p.name for p in one.iterdir())
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    with open(parts / ".fastload-pack-p00000-of-00002.json.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _one_error_line(run_cli("pack", small_src, parts, "--part", "0/2"), 1, "part 0/2 of this DEST")
+        # Other parts are independent jobs and may run at the same time.
+        assert run_cli("pack", small_src, parts, "--part", "1/2", "-q").returncode == 0
+    assert run_cli("pack", small_src, parts, "--part", "0/2", "-q").returncode == 0
+    assert not list(parts.glob("*.lock")), sorted(p.name for p in parts.iterdir())
+    assert run_cli("verify", parts).returncode == 0
+
+
 def test_inspect_and_verify_refuse_unfinished_or_missing(tmp_path):
     _one_error_line(run_cli("inspect", tmp_path / "nope"), 1, "no such directory")
     (tmp_path / "half").mkdir()
