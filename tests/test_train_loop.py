@@ -146,6 +146,10 @@ def test_checkpoint_errors(tmp_path):
         trainer.load_checkpoint(tmp_path / "other.pt")
     with pytest.raises(FileNotFoundError):
         trainer.load_checkpoint(tmp_path / "missing.pt")
+    trainer.save_checkpoint(tmp_path / "small.pt")
+    wider = SmallCNN(num_classes=3, width=4)
+    with pytest.raises(ValueError, match=r"small\.pt: checkpoint weights do not fit this SmallCNN"):
+        train.Trainer(wider, _sgd(wider), device="cpu").load_checkpoint(tmp_path / "small.pt")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -525,7 +525,11 @@ class Trainer:
                                    or state["world_size"] != self.dist.world_size):
             raise ValueError(f"{path}: saved mid-epoch with accumulation {state['accum_steps']} on "
                              f"{state['world_size']} processes; resume with the same settings")
-        self.module.load_state_dict(state["model"])
+        try:
+            self.module.load_state_dict(state["model"])
+        except RuntimeError as exc:  # torch's message lists every key: too long for one line
+            raise ValueError(f"{path}: checkpoint weights do not fit this {type(self.module).__name__} "
+                             "(saved from another architecture or number of classes?)") from exc
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state["scheduler"] is not None:
