@@ -7,6 +7,7 @@ non-zero exit code; a traceback means a bug in fastload.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -15,6 +16,7 @@ from .errors import FastloadError
 EXIT_USAGE = 2
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastload: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`fastload inspect DEST | head`): stop quietly, like any Unix tool.
+        # Point stdout at /dev/null so Python's final flush does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except FastloadError as exc:
         print(f"fastload {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -299,3 +300,15 @@ def test_disk_full_is_one_line_and_rerun_resumes(tmp_path, backend):
     again = run_cli(*args)
     assert again.returncode == 0, again.stderr
     assert tree_bytes(dest) == tree_bytes(tmp_path / "clean")
+
+
+def test_output_into_a_closed_pipe_is_quiet(tmp_path):
+    """`fastload inspect DEST | head`: no 'Broken pipe' error line, no traceback.
+
+    `true` exits at once, long before Python has started, so the write surely hits a closed pipe."""
+    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=2)
+    assert run_cli("pack", src, tmp_path / "dest", "-q").returncode == 0
+    cmd = f"{shlex.quote(sys.executable)} -m fastload inspect {shlex.quote(str(tmp_path / 'dest'))} | true"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=cli_env())
+    assert out.stderr == ""
+    assert out.returncode == 141
