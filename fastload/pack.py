@@ -555,6 +555,7 @@ class _PackRun:
             part=self.cfg.part,
             parts=self.cfg.parts,
             source_count=len(self.listing),
+            source=str(Path(self.listing.base).resolve()),
         )
 
 

@@ -73,6 +73,7 @@ class Manifest:
     part: int = 0
     parts: int = 1
     source_count: int = 0
+    source: str = ""  # absolute folder the records' source paths are relative to
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -121,6 +122,7 @@ class Manifest:
                 part=int(d.get("part", 0)),
                 parts=int(d.get("parts", 1)),
                 source_count=int(d.get("source_count", 0)),
+                source=str(d.get("source", "")),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

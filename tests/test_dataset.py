@@ -57,6 +57,18 @@ def test_parity_with_torchvision_imagefolder(lossless_pack, sample_tree):
         assert np.array_equal(img, expected), f"pixels differ for {samples[i][0]}"
 
 
+def test_samples_default_to_the_recorded_source_folder(lossless_pack, sample_tree, tmp_path):
+    """Without source_root, samples hold real paths (the folder the pack was made from, as
+    the manifest records it), so code that opens ``samples[i][0]`` keeps working."""
+    _, _, samples = torchvision_style_scan(sample_tree)
+    ds = ImageFolder(lossless_pack)
+    assert [(Path(p).resolve(), t) for p, t in ds.samples] == [(Path(p).resolve(), t) for p, t in samples]
+    assert all(Path(p).is_file() for p, _ in ds.samples)
+    moved = ImageFolder(lossless_pack, source_root=tmp_path / "elsewhere")
+    assert moved.samples[0][0] == str(tmp_path / "elsewhere" / os.path.relpath(samples[0][0], sample_tree))
+    assert ImageFolder(lossless_pack, source_root="").samples[0][0] == os.path.relpath(samples[0][0], sample_tree)
+
+
 def test_parity_with_real_torchvision_when_available(lossless_pack, sample_tree):
     datasets = pytest.importorskip("torchvision.datasets")
     ref = datasets.ImageFolder(str(sample_tree))

@@ -44,6 +44,7 @@ def describe(dest: str | Path) -> dict:
         "payload": r.payload,
         "num_samples": len(r),
         "source_count": r.manifests[0].source_count,
+        "source": r.manifests[0].source or None,
         "parts": len(r.manifests),
         "num_classes": len(r.classes),
         "classes": list(r.classes),
@@ -88,6 +89,7 @@ def run(args) -> int:
         f"  payload:     {d['payload']}",
         f"  samples:     {d['num_samples']} (of {d['source_count']} source inputs"
         + (f", {d['parts']} parts" if d["parts"] > 1 else "") + ")",
+        f"  source:      {d['source'] or 'not recorded'}",
         f"  classes:     {d['num_classes']}: {', '.join(cls[:_SHOW])}{more}",
         f"  shards:      {d['num_shards']}, {_human(d['bytes'])} total"
         + (f" (smallest {_human(min(sizes))}, largest {_human(max(sizes))})" if sizes else ""),

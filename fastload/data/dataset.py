@@ -63,8 +63,10 @@ class ImageFolder:
 
     Same ``classes``, ``class_to_idx``, ``targets`` and ``samples`` (same order) as
     ``torchvision.datasets.ImageFolder`` on the source tree. ``targets`` is an int64 numpy
-    array (indexing and ``len`` work as on torchvision's list of ints). ``samples`` paths are
-    relative to the source root unless ``source_root`` is given.
+    array (indexing and ``len`` work as on torchvision's list of ints). ``samples`` paths join
+    the folder the pack was made from (recorded in its manifest) with each image's path, like
+    torchvision's; pass ``source_root`` when the source tree has moved since, or ``""`` for
+    paths relative to it.
 
     ``image_type``: ``"numpy"`` (HWC uint8, fastest), ``"tensor"`` (CHW uint8 tensor view) or
     ``"pil"`` (so an existing torchvision PIL pipeline runs unchanged). A fastload transform
@@ -121,7 +123,9 @@ class ImageFolder:
         self.seed = int(seed)
         self.epoch = 0
         self.dct_reduce = bool(dct_reduce) and self.payload in ("jpeg", "original")
-        self.source_root = None if source_root is None else str(source_root)
+        if source_root is None:  # where the pack was made from (older packs did not record it)
+            source_root = self.reader.manifests[0].source
+        self.source_root = str(source_root)
         self._fast: Compose | None = as_compose(transform)
         self.samples = SampleList(self)
         self.imgs = self.samples  # torchvision alias
@@ -136,7 +140,7 @@ class ImageFolder:
         return len(self._labels)
 
     def path(self, i: int) -> str:
-        """Source path of record ``i`` (relative to the source root unless ``source_root``)."""
+        """Source path of record ``i``: ``source_root`` joined with its path in the source tree."""
         if self._paths is None:  # dropped when pickled; read again from the pack
             self._paths = self.reader.index.paths
             self.reader.__dict__.pop("index", None)
