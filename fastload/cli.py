@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
-        print("fastload: interrupted", file=sys.stderr)
+        hint = "; rerun the same command to resume" if args.command == "pack" else ""
+        print(f"fastload {args.command}: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`fastload inspect DEST | head`): stop quietly, like any Unix tool.

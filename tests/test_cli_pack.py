@@ -264,7 +264,8 @@ def test_ctrl_c_cleans_up_and_rerun_resumes(big_src, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "fastload: interrupted" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "fastload pack: interrupted; rerun the same command to resume"
+    assert "Traceback" not in err
     assert not list(dest.glob("*.tmp")) and not (dest / "manifest.json").exists()
     journal = json.loads((dest / ".fastload-pack.json").read_text())
     assert len(journal["shards"]) >= 1
