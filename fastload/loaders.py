@@ -38,6 +38,16 @@ class BatchLoader(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def check_batch_args(*, batch_size, crop, resize_ratio) -> None:
+    """Validate the batch geometry both backends take (ValueError naming the bad value)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not isinstance(crop, int) or crop < 1:
+        raise ValueError(f"crop must be a positive int, got {crop!r}")
+    if not 0 < resize_ratio <= 1:
+        raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
+
+
 def make_loader(
     root: str | Path,
     *,
@@ -76,12 +86,7 @@ def make_loader(
         backend = Backend(backend)
     except ValueError:
         raise ValueError(f"backend must be one of {', '.join(b.value for b in Backend)}, got {backend!r}") from None
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if not isinstance(crop, int) or crop < 1:
-        raise ValueError(f"crop must be a positive int, got {crop!r}")
-    if not 0 < resize_ratio <= 1:
-        raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
+    check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
     dev = resolve_device(device)
     shuffle = train if shuffle is None else bool(shuffle)
     drop_last = train if drop_last is None else bool(drop_last)

@@ -181,12 +181,9 @@ class DALILoader:
         self._dali_mod = _dali()
         if device not in ("gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(crop, int) or crop < 1:
-            raise ValueError(f"crop must be a positive int, got {crop!r}")
-        if not 0 < resize_ratio <= 1:
-            raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
+        from ..loaders import check_batch_args
+
+        check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
         if not (0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {scale}")
         if not (0 < ratio[0] <= ratio[1]):
