@@ -30,7 +30,8 @@ def test_bench_measures_and_recommends(tiny_pack, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "24 images, jpeg payload" in text
-    assert "workers  batch  images  seconds  images/s" in text
+    table_header = "workers  batch  images  seconds  images/s"  # the table's columns, not a timing check
+    assert table_header in text
     for key in ("num_workers=", "batch_size=", "payload="):
         assert f"recommended: {key}" in text
     doc = json.loads(out.read_text())
