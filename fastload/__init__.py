@@ -39,8 +39,9 @@ _LAZY = {
     "scan_source": ".pack",
 }
 
-# Public submodules, also imported on first attribute access (``fastload.transforms``).
-_SUBMODULES = ("dali", "pack", "train", "transforms")
+# Public submodules, also imported on first attribute access (``fastload.transforms``,
+# ``fastload.gpu``).
+_SUBMODULES = ("dali", "gpu", "pack", "train", "transforms")
 
 __all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
 
@@ -63,7 +64,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import dali, pack, train, transforms
+    from . import dali, gpu, pack, train, transforms
     from .config import OnError, PackConfig
     from .pack import PackSummary, scan_source
     from .codecs import get_codec

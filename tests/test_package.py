@@ -28,6 +28,24 @@ def test_import_is_cheap_and_pulls_no_heavy_optional_dependency():
     assert json.loads(out.stdout) == []
 
 
+def test_public_submodules_are_listed_and_reachable_lazily():
+    import types
+
+    assert set(fastload._SUBMODULES) <= set(fastload.__all__)
+    assert {"dali", "gpu", "pack", "train", "transforms"} == set(fastload._SUBMODULES)
+    assert isinstance(fastload.gpu, types.ModuleType) and fastload.gpu.__name__ == "fastload.gpu"
+    assert "gpu" in dir(fastload)
+
+
+def test_gpu_submodule_is_reached_without_importing_torch():
+    code = (
+        "import sys, json, fastload; m = fastload.gpu; "
+        "print(json.dumps([m.__name__, sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'nvidia'))]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == ["fastload.gpu", []]
+
+
 def test_unknown_attribute_raises_attribute_error():
     try:
         fastload.no_such_name  # noqa: B018
