@@ -309,6 +309,87 @@ def test_ring_slots_are_pinned_and_copy_to_the_gpu(jpeg_pack):
     loader.close()
 
 
+def _mapped(path_part: str) -> bool:
+    """Whether this process has a mapping of a file whose path contains ``path_part``."""
+    with open("/proc/self/maps") as f:
+        return any(path_part in line for line in f)
+
+
+def test_slot_owner_releases_once_after_the_last_view_while_still_mapped(tmp_path):
+    import mmap
+
+    from fastload.data.loader import _ReleasedLast
+
+    path = tmp_path / "slot"
+    path.write_bytes(bytes(range(24)))
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 24)
+    calls = []
+    owned = np.asarray(_ReleasedLast(np.frombuffer(mm, np.uint8).reshape(2, 3, 4),
+                                     lambda: calls.append(_mapped(str(path)))))
+    del mm  # from here on only the views keep the mapping
+    view = torch.from_numpy(owned[1:].view()).permute(0, 2, 1)  # a view of a view of a view
+    del owned
+    gc.collect()
+    assert calls == [] and _mapped(str(path))  # still viewed: neither released nor unmapped
+    assert view.permute(0, 2, 1).flatten().tolist() == list(range(12, 24))
+    del view
+    gc.collect()
+    assert calls == [True]  # released exactly once, while the memory was still mapped
+    assert not _mapped(str(path))  # and unmapped right after
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_close_frees_unheld_slots_now_and_held_ones_with_their_batch(jpeg_pack, workers):
+    loader = DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=workers, pin_memory=True, seed=3)
+    ref = collect(DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=0, seed=3))
+    held = None
+    for k, (images, _) in enumerate(loader):
+        if k == 1:
+            held = images
+    del images
+    pool = loader._state["pool"]
+    ring = pool.dir
+    assert len(pool) >= 2
+    loader.close()
+    gc.collect()
+    assert len(pool) == 0 and pool.closed
+    assert torch.equal(held, ref[1][0])  # a held batch stays valid after close()
+    if ring is not None:
+        assert not os.path.exists(ring)
+        assert sum(1 for line in open("/proc/self/maps") if ring in line) == 1  # only the held slot
+        del held
+        gc.collect()
+        assert not _mapped(ring)
+
+
+def test_loaders_can_be_created_and_closed_repeatedly(jpeg_pack):
+    ref = collect(DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=0, seed=2))
+    for k in range(20):
+        workers = 2 if k % 10 == 0 else 0
+        with DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=workers, pin_memory=True, seed=2) as loader:
+            assert batches_equal(collect(loader), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_closing_a_pinned_loader_unregisters_its_slots(jpeg_pack, workers):
+    cudart = torch.cuda.cudart()
+    ref = collect(DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=0, pin_memory=False))
+    for _ in range(20):  # a registration left behind would make a later mapping at its address fail
+        loader = DataLoader(ImageFolder(jpeg_pack, AUG), 4, num_workers=workers, pin_memory=True)
+        for k, (images, _) in enumerate(loader):
+            assert images.is_pinned()
+            assert torch.equal(images.cuda(non_blocking=True).cpu(), ref[k][0])
+        del images
+        ptrs = [a.ctypes.data for a in loader._state["pool"].images]
+        assert ptrs
+        loader.close()
+        gc.collect()
+        for ptr in ptrs:  # already unregistered: unregistering again is an error
+            assert int(cudart.cudaHostUnregister(ptr)) != 0
+
+
 def _failing_target(t):
     raise ValueError(f"no target for class {t}\nsecond line")
 

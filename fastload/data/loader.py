@@ -36,6 +36,7 @@ batches handed to the caller; ``load_state_dict()`` resumes right after them.
 from __future__ import annotations
 
 import collections
+import functools
 import mmap
 import multiprocessing as mp
 import os
@@ -135,11 +136,14 @@ class _SlotPool:
         self.images: list[np.ndarray] = []
         self.targets: list[np.ndarray] = []
         self.free: collections.deque[int] = collections.deque()
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self.images)
 
     def acquire(self) -> int:
+        if self.closed:
+            raise ValueError("the DataLoader was closed")
         if self.free:
             return self.free.popleft()
         k = len(self.images)
@@ -153,30 +157,78 @@ class _SlotPool:
             images = np.empty(self.batch_shape, dtype=np.uint8)
             targets = np.empty(self.batch_shape[0], dtype=np.int64)
         if self.pin:
-            _pin(images)
+            images = _pin(images)
         self.paths.append(path)
         self.images.append(images)
         self.targets.append(targets)
         return k
 
     def release(self, k: int) -> None:
-        self.free.append(k)
+        if not self.closed:
+            self.free.append(k)
 
     def close(self) -> None:
+        """Delete the ring's files and drop the pool's own references to its slots: a slot that
+        no batch views is unpinned and unmapped now, one a held batch views when that batch dies."""
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+        self.closed = True
+        self.free.clear()
+        self.images.clear()
+        self.targets.clear()
+        self.paths.clear()
 
 
-def _pin(a: np.ndarray) -> None:
-    """Page-lock a slot for fast, asynchronous host-to-GPU copies (cudaHostRegister)."""
+class _ReleasedLast:
+    """Owner of an array's memory that runs ``release`` once, just before the memory can go.
+
+    ``np.asarray(owner)`` is an array over ``a``'s memory whose views (numpy or torch) all keep
+    the owner alive, and the owner keeps ``a`` (and so an mmap under it) alive. When the last
+    view dies, the owner's weakref callback runs before its attributes are cleared: ``release``
+    sees the memory still mapped, and only afterwards can ``a``, and then the mapping, go.
+    """
+
+    def __init__(self, a: np.ndarray, release: Callable[[], None]):
+        if not a.flags.c_contiguous:
+            raise ValueError("_ReleasedLast needs a C-contiguous array")
+        self.a = a
+        self.__array_interface__ = {
+            "shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False), "version": 3,
+        }
+        self.release = weakref.finalize(self, release)
+        # At interpreter exit the process and its mappings end anyway; do not call into a
+        # runtime that may be shutting down.
+        self.release.atexit = False
+
+
+def _pin(a: np.ndarray) -> np.ndarray:
+    """Page-lock a slot for fast, asynchronous host-to-GPU copies (cudaHostRegister).
+
+    Returns an array over the same memory that unregisters it (cudaHostUnregister on the same
+    pointer) when its last view dies, before the memory is unmapped or freed: registered memory
+    that is unmapped stays in the driver's table, and a later mapping at the same address then
+    fails to register. Without CUDA, returns ``a`` unchanged.
+    """
     import torch
 
     if not torch.cuda.is_available():
-        return
-    err = torch.cuda.cudart().cudaHostRegister(a.ctypes.data, a.nbytes, 0)
+        return a
+    ptr = a.ctypes.data
+    err = torch.cuda.cudart().cudaHostRegister(ptr, a.nbytes, 0)
     if int(err) != 0:  # pragma: no cover - needs a GPU
         raise FastloadError(f"cudaHostRegister of a {a.nbytes}-byte batch slot failed (error {int(err)})")
+    return np.asarray(_ReleasedLast(a, functools.partial(_unpin, ptr, os.getpid())))
+
+
+def _unpin(ptr: int, pid: int) -> None:
+    """cudaHostUnregister ``ptr`` (in the process that registered it; a forked child must not
+    touch CUDA). The error code is not checked: nothing could be done about it here."""
+    if os.getpid() != pid:  # pragma: no cover - defensive
+        return
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 # -- worker processes ---------------------------------------------------------------------
