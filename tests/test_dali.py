@@ -123,6 +123,36 @@ def test_same_label_multiset_as_fastload_loader_for_one_epoch(packs):
 
 
 @needs_dali
+@pytest.mark.parametrize("kind", ["lmdb", "raw"])
+def test_training_crops_and_flips_are_the_cpu_loaders(packs, kind):
+    """DALI draws each sample's RandomResizedCrop box and flip from fastload's per-sample hash,
+    so its training batches are the CPU loader's up to the resampling filter; a different
+    epoch (other boxes) is far off."""
+    from fastload.data.dataset import ImageFolder
+    from fastload.data.loader import DataLoader
+    from fastload.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    root = packs[kind]
+    crop = 24
+    ds = ImageFolder(root, transform=Compose([RandomResizedCrop(crop), RandomHorizontalFlip()]))
+    cpu = DataLoader(ds, 6, shuffle=True, seed=5, num_workers=0)
+    dali = _loader(root, batch_size=6, crop=crop, seed=5, channels_last=False)
+
+    def epoch(loader):
+        xs, ys = zip(*[(x.float() / (255.0 if x.dtype == torch.uint8 else 1.0), y) for x, y in loader])
+        return torch.cat(xs), torch.cat(ys)
+
+    c0, y0 = epoch(cpu)
+    c1, _ = epoch(cpu)
+    d0, yd = epoch(dali)
+    assert torch.equal(y0, yd)
+    same = (c0 - d0).abs().mean(dim=(1, 2, 3))
+    other = (c1 - d0).abs().mean(dim=(1, 2, 3))
+    assert float(same.max()) < 0.06, same
+    assert float(same.mean()) < 0.3 * float(other.mean()), (same.mean(), other.mean())
+
+
+@needs_dali
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_ddp_sharding_two_ranks_like_the_sampler(packs, drop_last):
     root = packs["hdf5"]

@@ -121,6 +121,31 @@ def test_random_resized_crop_samples_the_right_box():
         torch.testing.assert_close(out[k], x[k, :, t : t + bh, l : l + bw], atol=1e-5, rtol=0)
 
 
+def test_gpu_crop_and_flip_are_the_cpu_transforms_draws():
+    """For the same (seed, epoch, index) the batch helper picks the box and flip that
+    fastload.transforms picks on the CPU: outputs agree up to the resampling filter."""
+    import cv2
+
+    from fastload.data.draws import SampleDraws
+    from fastload.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    rng = np.random.default_rng(0)
+    n, h, w, out = 24, 48, 64, 20
+    # smooth images, so bilinear (GPU) and area (CPU) resampling of the same box agree closely
+    hwc = np.stack([cv2.GaussianBlur(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), (0, 0), 2.0) for _ in range(n)])
+    idx = np.arange(n) * 13 + 5
+    tf = Compose([RandomResizedCrop(out), RandomHorizontalFlip()])
+    cpu = torch.from_numpy(np.stack([tf(hwc[k], rng=SampleDraws.single(3, 7, int(i))) for k, i in enumerate(idx)]))
+    cpu = cpu.permute(0, 3, 1, 2).float() / 255
+    batch = normalize(torch.from_numpy(hwc).permute(0, 3, 1, 2).contiguous())
+    gpu = random_resized_crop(batch, out, seed=3, epoch=7, indices=idx, flip_p=0.5)
+    other = random_resized_crop(batch, out, seed=3, epoch=8, indices=idx, flip_p=0.5)
+    same = (gpu - cpu).abs().mean(dim=(1, 2, 3))
+    far = (other - cpu).abs().mean(dim=(1, 2, 3))
+    assert float(same.max()) < 0.02, same
+    assert float(same.mean()) < 0.2 * float(far.mean())
+
+
 def test_random_resized_crop_errors_and_dtypes():
     x = _batch(n=2)
     with pytest.raises(ValueError, match="float"):

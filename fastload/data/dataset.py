@@ -29,6 +29,7 @@ from ..codecs import jpeg as _jpeg
 from ..codecs import jpegcrop as _jpegcrop
 from ..errors import DecodeError, FastloadError, FormatError
 from ..storage import PackReader, open_pack
+from .draws import BatchDraws, SampleDraws
 from .transforms import Compose, Plan, as_compose, fixed_output_hw
 
 IMAGE_TYPES = ("numpy", "tensor", "pil")
@@ -204,9 +205,9 @@ class ImageFolder:
                 continue
         return "cv2"  # pragma: no cover - cv2 always imports
 
-    def _rng(self, epoch: int, i: int, seed: int | None = None) -> np.random.Generator:
-        seed = self.seed if seed is None else seed
-        return np.random.default_rng([int(seed), int(epoch), int(i), 0x5EED])
+    def _rng(self, epoch: int, i: int, seed: int | None = None) -> SampleDraws:
+        """Sample ``i``'s random numbers in ``epoch`` (see :mod:`fastload.data.draws`)."""
+        return SampleDraws.single(self.seed if seed is None else seed, epoch, i)
 
     def stored_hw(self, i: int) -> tuple[int, int]:
         s = self._shapes[i]
@@ -310,10 +311,11 @@ class ImageFolder:
         uint8) and their labels into ``targets[j]``: no per-sample array survives. Pixels are
         the same as ``load(i, epoch=epoch)`` gives."""
         fast = self._fast
-        for j, i in enumerate(indices):
+        draws = BatchDraws(self.seed if seed is None else seed, epoch, indices) if fast is not None else None
+        for j, i in enumerate(indices.tolist() if isinstance(indices, np.ndarray) else indices):
             i = int(i)
             hw = self.stored_hw(i)
-            plan = fast.plan(hw, self._rng(epoch, i, seed)) if fast is not None else Plan.identity(hw)
+            plan = fast.plan(hw, draws.sample(j)) if draws is not None else Plan.identity(hw)
             self._run_plan(i, plan, hw, dst=images[j])
             targets[j] = self._target(i)
 

@@ -10,10 +10,11 @@ image's shape, the dataset computes it *before* decoding, so it can
 * write the resized crop straight into its slot of a batch buffer (``cv2.resize(dst=...)``).
 
 Calling a transform on an array (``t(img, rng=rng)``) runs the same plan, so the per-sample
-and the batched paths give the same pixels. Randomness comes only from the ``rng`` argument
-(a ``numpy.random.Generator``); fastload's dataset derives it from (seed, epoch, sample
-index), so augmentations do not depend on which worker ran them. Without ``rng`` a fresh
-unseeded generator is used.
+and the batched paths give the same pixels. Randomness comes only from the ``rng`` argument.
+fastload's dataset passes the sample's :class:`~fastload.data.draws.SampleDraws`: numbers
+hashed from (seed, epoch, sample index), so augmentations depend neither on which worker ran
+them nor on the backend (the GPU helpers and the DALI pipeline draw the same crop boxes and
+flips). A ``numpy.random.Generator`` works too; without ``rng`` a fresh unseeded one is used.
 
 Normalisation and float conversion are not part of the default path (they happen on the GPU);
 :class:`Normalize` and :class:`ToTensor` exist for CPU-only training and for compatibility.
@@ -24,10 +25,14 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import cv2
 import numpy as np
+
+from .draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, SampleDraws, rrc_box, take
+
+Rng = Union[np.random.Generator, SampleDraws]  # what transforms draw their random numbers from
 
 cv2.setNumThreads(1)
 
@@ -179,7 +184,7 @@ class Transform:
 
     geometric = False
 
-    def __call__(self, img: Any, *, rng: np.random.Generator | None = None) -> Any:
+    def __call__(self, img: Any, *, rng: Rng | None = None) -> Any:
         rng = rng if rng is not None else np.random.default_rng()
         if self.geometric:
             img = _as_hwc(img)
@@ -188,10 +193,10 @@ class Transform:
             return plan.execute(img, img.shape[:2])
         return self.apply(img, rng)
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:  # geometric transforms
+    def update_plan(self, plan: Plan, rng: Rng) -> None:  # geometric transforms
         raise NotImplementedError
 
-    def apply(self, img: Any, rng: np.random.Generator) -> Any:  # pixel transforms
+    def apply(self, img: Any, rng: Rng) -> Any:  # pixel transforms
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -230,32 +235,14 @@ class RandomResizedCrop(Transform):
         self.interpolation = interpolation
         self._interp = _interp_flag(interpolation)
 
-    def get_params(self, hw: tuple[int, int], rng: np.random.Generator) -> tuple[int, int, int, int]:
-        """(top, left, h, w) of the crop, exactly as torchvision's ``get_params`` decides it."""
-        height, width = int(hw[0]), int(hw[1])
-        area = height * width
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            target_area = area * rng.uniform(self.scale[0], self.scale[1])
-            aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
-            if 0 < w <= width and 0 < h <= height:
-                i = int(rng.integers(0, height - h + 1))
-                j = int(rng.integers(0, width - w + 1))
-                return i, j, h, w
-        in_ratio = width / height
-        if in_ratio < min(self.ratio):
-            w = width
-            h = int(round(w / min(self.ratio)))
-        elif in_ratio > max(self.ratio):
-            h = height
-            w = int(round(h * max(self.ratio)))
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
+    def get_params(self, hw: tuple[int, int], rng: Any) -> tuple[int, int, int, int]:
+        """(top, left, h, w) of the crop, by torchvision's rule. ``rng`` is a sample's
+        :class:`~fastload.data.draws.SampleDraws` (the box then matches the GPU and DALI
+        paths for the same sample) or a ``numpy.random.Generator``."""
+        u = take(rng, STREAM_CROP, 4 * RRC_ATTEMPTS)
+        return rrc_box(int(hw[0]), int(hw[1]), u, scale=self.scale, ratio=self.ratio)
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:
+    def update_plan(self, plan: Plan, rng: Rng) -> None:
         i, j, h, w = self.get_params((plan.out_h, plan.out_w), rng)
         plan.crop(i, j, h, w)
         plan.resize(*self.size, self._interp)
@@ -272,8 +259,8 @@ class RandomHorizontalFlip(Transform):
             raise ValueError(f"RandomHorizontalFlip: p must be in [0, 1], got {p}")
         self.p = float(p)
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:
-        if rng.random() < self.p:
+    def update_plan(self, plan: Plan, rng: Any) -> None:
+        if take(rng, STREAM_FLIP, 1)[0] < self.p:
             plan.flip = not plan.flip
 
 
@@ -304,7 +291,7 @@ class Resize(Transform):
             return (self.size, new_long) if h <= w else (new_long, self.size)
         return self.size
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:
+    def update_plan(self, plan: Plan, rng: Rng) -> None:
         plan.resize(*self.output_hw((plan.out_h, plan.out_w)), self._interp)
 
 
@@ -316,7 +303,7 @@ class CenterCrop(Transform):
     def __init__(self, size):
         self.size = _size_pair(size, "CenterCrop")
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:
+    def update_plan(self, plan: Plan, rng: Rng) -> None:
         ch, cw = self.size
         top = int(round((plan.out_h - ch) / 2.0))
         left = int(round((plan.out_w - cw) / 2.0))
@@ -370,7 +357,9 @@ class Lambda(Transform):
         self.takes_rng = bool(takes_rng)
 
     def apply(self, img, rng):
-        return self.fn(img, rng) if self.takes_rng else self.fn(img)
+        if not self.takes_rng:
+            return self.fn(img)
+        return self.fn(img, rng.generator if isinstance(rng, SampleDraws) else rng)
 
 
 class Compose(Transform):
@@ -386,24 +375,24 @@ class Compose(Transform):
         self._n_geometric = k
         self.geometric = k == len(self.transforms) and k > 0
 
-    def plan(self, stored_hw: tuple[int, int], rng: np.random.Generator) -> Plan:
+    def plan(self, stored_hw: tuple[int, int], rng: Rng) -> Plan:
         """The fused plan of the geometric prefix, for an image of ``stored_hw``."""
         plan = Plan.identity(stored_hw)
         self.update_plan(plan, rng)
         return plan
 
-    def update_plan(self, plan: Plan, rng: np.random.Generator) -> None:
+    def update_plan(self, plan: Plan, rng: Rng) -> None:
         for t in self.transforms[: self._n_geometric]:
             t.update_plan(plan, rng)
 
-    def __call__(self, img, *, rng: np.random.Generator | None = None):
+    def __call__(self, img, *, rng: Rng | None = None):
         rng = rng if rng is not None else np.random.default_rng()
         if self._n_geometric:
             img = _as_hwc(img)
             img = self.plan(img.shape[:2], rng).execute(img, img.shape[:2])
         return self.apply_tail(img, rng)
 
-    def apply_tail(self, img, rng: np.random.Generator):
+    def apply_tail(self, img, rng: Rng):
         """Run the non-geometric rest on an image the plan produced."""
         for t in self.transforms[self._n_geometric :]:
             img = t(img, rng=rng) if isinstance(t, Transform) else t(img)

@@ -11,8 +11,13 @@ DALI; a ``DALIGenericIterator`` hands the results to PyTorch as ``(images, targe
 Last-batch policy: ``drop_last=False`` gives a final partial batch (like a torch DataLoader;
 the DDP sampler pads ranks to equal length by wrapping around); ``drop_last=True`` keeps full
 batches only and drops the permutation's tail. Either way every rank gets the same number of
-batches. Augmentation randomness comes from DALI's own generator seeded from
-``(seed, rank, epoch)``: reproducible for a given pipeline, but not per sample like the CPU path.
+batches.
+
+Augmentation draws are fastload's own (:mod:`fastload.data.draws`): the source computes each
+sample's RandomResizedCrop box and flip from ``(seed, epoch, sample index)`` and hands them
+to DALI with the bytes, so a sample gets the same box and flip as on fastload's CPU loader
+and GPU helpers (the pixels differ only by the resampling filter), whatever the rank,
+worker or batch it lands in.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import usable_cpus
+from ..data.draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, rrc_boxes, uniform
 from ..data.loader import _resolve_distributed
 from ..data.position import EpochPosition
 from ..data.sampler import epoch_indices, samples_per_rank
@@ -74,6 +80,10 @@ class PackBatchSource:
         drop_last: bool,
         base_epoch: int = 0,
         start_batch: int = 0,
+        hw: np.ndarray | None = None,
+        scale: tuple[float, float] | None = None,
+        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        flip_p: float = 0.5,
     ):
         self.root = Path(root)
         self.labels = np.ascontiguousarray(labels, dtype=np.int64)
@@ -86,6 +96,13 @@ class PackBatchSource:
         self.drop_last = bool(drop_last)
         self.base_epoch = int(base_epoch)
         self.start_batch = int(start_batch)
+        # Training augmentation (``scale`` set): each record's stored (h, w) sizes its crop box.
+        self.hw = None if hw is None else np.ascontiguousarray(hw, dtype=np.int64)
+        self.scale = None if scale is None else (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.flip_p = float(flip_p)
+        if self.scale is not None and (self.hw is None or len(self.hw) != len(self.labels)):
+            raise ValueError("PackBatchSource: training augmentation needs the stored (h, w) of every record")
         self._pack = None
         self._cached: tuple[int, np.ndarray] | None = None
 
@@ -116,8 +133,23 @@ class PackBatchSource:
         idx = self.indices(self.base_epoch + epoch_idx)
         return idx[b * self.batch_size : (b + 1) * self.batch_size]
 
-    def __call__(self, info) -> tuple[list[np.ndarray], np.ndarray]:
-        idx = self.batch_indices(int(info.epoch_idx), int(info.iteration))
+    def augment(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Crop windows ``(top, left)`` and ``(bottom, right)`` in pixels of the stored image
+        (float32 for a raw payload's resize ROI, int32 for a decoder's slice) and flip flags
+        (int32) of samples ``idx``: the draws of fastload's CPU RandomResizedCrop +
+        RandomHorizontalFlip for the same samples."""
+        hw = self.hw[idx]
+        u = uniform(self.seed, epoch, idx, stream=STREAM_CROP, draws=4 * RRC_ATTEMPTS)
+        boxes = rrc_boxes(hw[:, 0], hw[:, 1], u, scale=self.scale, ratio=self.ratio)
+        flips = uniform(self.seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < self.flip_p
+        dtype = np.float32 if self.shapes is not None else np.int32
+        start = boxes[:, :2].astype(dtype)
+        end = (boxes[:, :2] + boxes[:, 2:]).astype(dtype)
+        return start, end, flips.astype(np.int32)
+
+    def __call__(self, info) -> tuple:
+        epoch_idx = int(info.epoch_idx)
+        idx = self.batch_indices(epoch_idx, int(info.iteration))
         if self._pack is None:
             self._pack = open_pack(self.root, check_files=False)
         pack = self._pack
@@ -131,7 +163,9 @@ class PackBatchSource:
                 if buf.size != h * w * c:
                     raise FormatError(f"{self.root}: raw record {int(i)} has {buf.size} bytes, expected {h}x{w}x{c}")
                 data.append(buf.reshape(h, w, c).copy())
-        return data, self.labels[idx]
+        if self.scale is None:
+            return data, self.labels[idx]
+        return (data, self.labels[idx], *self.augment(self.base_epoch + epoch_idx, idx))
 
 
 class DALILoader:
@@ -234,6 +268,7 @@ class DALILoader:
         index = pack.index
         self._labels = index.labels
         self._shapes = index.shapes if pack.payload == "raw" else None
+        self._hw = np.ascontiguousarray(index.shapes[:, :2], dtype=np.int64)  # sizes the crop boxes
         if self._shapes is not None and len(self._shapes) and int(self._shapes[:, 2].min()) != 3:
             raise FormatError(f"{self.root}: raw records must be RGB (H, W, 3) for the DALI pipeline")
         pack.close()
@@ -255,6 +290,7 @@ class DALILoader:
             self.root, labels=self._labels, shapes=self._shapes, batch_size=self.batch_size,
             seed=self.seed, shuffle=self.shuffle, rank=self.rank, world_size=self.world_size,
             drop_last=self.drop_last, base_epoch=base_epoch, start_batch=start_batch,
+            hw=self._hw, scale=self.scale if self.train else None, ratio=self.ratio,
         )
 
     def __len__(self) -> int:
@@ -314,23 +350,28 @@ class DALILoader:
         resize_to = max(crop, int(round(crop / self.resize_ratio)))
         layout = "HWC" if self.channels_last else "CHW"
 
+        window = types.FLOAT if raw else types.INT32  # crop window: resize ROI / decoder slice
+
         def graph():
-            data, labels = fn.external_source(
-                source=source, num_outputs=2, batch=True, batch_info=True, parallel=True,
-                dtype=[types.UINT8, types.INT64], ndim=[3 if raw else 1, 0],
-                layout=["HWC" if raw else "", ""],
+            outputs = fn.external_source(
+                source=source, num_outputs=5 if train else 2, batch=True, batch_info=True, parallel=True,
+                dtype=[types.UINT8, types.INT64, window, window, types.INT32][: 5 if train else 2],
+                ndim=[3 if raw else 1, 0, 1, 1, 0][: 5 if train else 2],
+                layout=["HWC" if raw else "", "", "", "", ""][: 5 if train else 2],
             )
+            data, labels = outputs[:2]
+            mirror = 0
             if raw:
                 images = data.gpu() if gpu else data
-                if train:
-                    images = fn.random_resized_crop(images, size=[crop, crop], random_area=scale,
-                                                    random_aspect_ratio=ratio)
+                if train:  # the crop window is the resize's region of interest: one pass
+                    start, end, mirror = outputs[2:]
+                    images = fn.resize(images, size=[crop, crop], roi_start=start, roi_end=end, roi_relative=False)
             else:
                 dev = "mixed" if gpu else "cpu"
-                if train:
-                    images = fn.decoders.image_random_crop(
-                        data, device=dev, output_type=types.RGB, random_area=scale,
-                        random_aspect_ratio=ratio, num_attempts=10,
+                if train:  # decode only the crop window (nvJPEG / libjpeg-turbo ROI decoding)
+                    start, end, mirror = outputs[2:]
+                    images = fn.decoders.image_slice(
+                        data, device=dev, output_type=types.RGB, axis_names="HW", start=start, end=end,
                     )
                     images = fn.resize(images, size=[crop, crop])
                 else:
@@ -339,7 +380,7 @@ class DALILoader:
                 images = fn.resize(images, resize_shorter=resize_to)
             images = fn.crop_mirror_normalize(
                 images, dtype=out_dtype, output_layout=layout, crop=[crop, crop], mean=mean, std=std,
-                mirror=fn.random.coin_flip(probability=0.5) if train else 0,
+                mirror=mirror,
             )
             return images, (labels.gpu() if gpu else labels)
 

@@ -2,9 +2,12 @@
 
 Decoded images stay uint8 until they reach the GPU (4x fewer bytes over PCIe); these
 helpers then convert, normalise, flip and crop a whole batch with a few kernels. Random
-decisions are drawn from a counter-based hash of ``(seed, epoch, sample index)``, so a
-sample gets the same augmentation whatever batch, rank or worker count it lands in, and
-the draws cost no per-sample Python.
+decisions are drawn from a counter-based hash of ``(seed, epoch, sample index)``
+(:mod:`fastload.data.draws`), so a sample gets the same augmentation whatever batch, rank or
+worker count it lands in, the draws cost no per-sample Python, and they are the CPU
+transforms' draws: on a batch of the stored size, :func:`random_resized_crop` with
+``flip_p`` picks the box and flip that ``fastload.transforms.RandomResizedCrop`` +
+``RandomHorizontalFlip`` pick for the same sample.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..data.draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, rrc_boxes, uniform
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -36,9 +41,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# Stream ids keep the hash draws of different decisions independent.
-_STREAM_FLIP = 1
-_STREAM_CROP = 2
 
 
 def _check_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -126,31 +128,6 @@ def _as_index_array(indices: Any, n: int) -> np.ndarray:
     return idx
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijective, well-mixed hash of uint64 values (vectorised)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def uniform(seed: int, epoch: int, indices: Any, *, stream: int, draws: int = 1) -> np.ndarray:
-    """Uniform [0, 1) float64 numbers, shape ``(len(indices), draws)``, a pure function of
-    ``(seed, epoch, index, stream, draw)``: the same sample gets the same numbers in any batch.
-    """
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1).astype(np.uint64)
-    golden = np.uint64(0x9E3779B97F4A7C15)
-    with np.errstate(over="ignore"):
-        key = _mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * golden + np.uint64(stream))
-        key = _mix64(key ^ (np.uint64(epoch & 0xFFFFFFFFFFFFFFFF) * golden))
-        base = _mix64(key ^ (idx * golden))[:, None]
-        j = np.arange(1, draws + 1, dtype=np.uint64)[None, :]
-        bits = _mix64(base + j * golden)
-    # The top 53 bits make an exactly representable double in [0, 1).
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
 def flip_batch(images: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
     """Mirror (left-right) the images of an ``(N, C, H, W)`` batch where ``flip`` is True."""
     flip = flip.to(device=images.device, dtype=torch.bool).view(-1, *([1] * (images.dim() - 1)))
@@ -164,7 +141,7 @@ def random_flip(
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"flip probability must be in [0, 1], got {p}")
     idx = _as_index_array(indices, images.shape[0])
-    decisions = uniform(seed, epoch, idx, stream=_STREAM_FLIP)[:, 0] < p
+    decisions = uniform(seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < p
     return flip_batch(images, torch.from_numpy(decisions)), decisions
 
 
@@ -177,7 +154,7 @@ def sample_crop_boxes(
     indices: Any,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-    attempts: int = 10,
+    attempts: int = RRC_ATTEMPTS,
 ) -> np.ndarray:
     """RandomResizedCrop boxes ``(top, left, h, w)`` as an int64 ``(N, 4)`` array.
 
@@ -188,32 +165,11 @@ def sample_crop_boxes(
         raise ValueError(f"scale must satisfy 0 < min <= max, got {scale}")
     if not (0 < ratio[0] <= ratio[1]):
         raise ValueError(f"ratio must satisfy 0 < min <= max, got {ratio}")
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    n = idx.size
-    u = uniform(seed, epoch, idx, stream=_STREAM_CROP, draws=4 * attempts).reshape(n, attempts, 4)
-    area = float(height * width)
-    target = area * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = np.exp(log_lo + u[..., 1] * (log_hi - log_lo))
-    w = np.rint(np.sqrt(target * aspect)).astype(np.int64)
-    h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
-    ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    top = np.floor(u[..., 2] * (height - h + 1)).astype(np.int64)
-    left = np.floor(u[..., 3] * (width - w + 1)).astype(np.int64)
-    first = np.argmax(ok, axis=1)
-    found = ok[np.arange(n), first]
-    boxes = np.stack([top, left, h, w], axis=-1)[np.arange(n), first]
-    # Fallback: the largest centre crop whose aspect ratio lies within `ratio`.
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        fw, fh = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        fh, fw = height, int(round(height * ratio[1]))
-    else:
-        fw, fh = width, height
-    fallback = np.array([(height - fh) // 2, (width - fw) // 2, fh, fw], dtype=np.int64)
-    boxes[~found] = fallback
-    return boxes
+    u = uniform(seed, epoch, idx, stream=STREAM_CROP, draws=4 * attempts)
+    return rrc_boxes(height, width, u, scale=scale, ratio=ratio)
 
 
 def _crop_grid(
@@ -260,7 +216,7 @@ def random_resized_crop(
     n, _, height, width = images.shape
     idx = _as_index_array(indices, n)
     boxes = sample_crop_boxes(height, width, seed=seed, epoch=epoch, indices=idx, scale=scale, ratio=ratio)
-    flips = uniform(seed, epoch, idx, stream=_STREAM_FLIP)[:, 0] < flip_p if flip_p > 0 else None
+    flips = uniform(seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < flip_p if flip_p > 0 else None
     grid = _crop_grid(boxes, flips, (height, width), out_hw, images.device)
     src = images if images.dtype in (torch.float32, torch.float64) else images.float()
     out = F.grid_sample(src, grid.to(src.dtype), mode="bilinear", padding_mode="border", align_corners=False)
