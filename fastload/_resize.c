@@ -62,12 +62,17 @@ static void taps_free(Taps *t)
     t->w = NULL;
 }
 
-/* Area taps for in -> out (out <= in). Returns 0, or -1 when out of memory. */
+/* Area taps for in -> out (out <= in). Returns 0, or -1 when out of memory. Walks both axes
+ * incrementally: 64-bit divisions per tap cost more than the resize of a small image. */
 static int taps_build(Taps *t, int64_t in, int64_t out)
 {
     int kmax = 0;
-    for (int64_t o = 0; o < out; o++) {
-        int64_t i0 = o * in / out, i1 = ((o + 1) * in + out - 1) / out;
+    for (int64_t o = 0, i0 = 0, i1 = 0; o < out; o++) {
+        /* i0 = floor(o*in/out), i1 = ceil((o+1)*in/out) */
+        while ((i0 + 1) * out <= o * in)
+            i0++;
+        while (i1 * out < (o + 1) * in)
+            i1++;
         if (i1 - i0 > kmax)
             kmax = (int)(i1 - i0);
     }
@@ -79,20 +84,26 @@ static int taps_build(Taps *t, int64_t in, int64_t out)
         taps_free(t);
         return -1;
     }
-    for (int64_t o = 0; o < out; o++) {
-        const int64_t lo = o * in, hi = (o + 1) * in;
-        const int64_t i0 = lo / out, i1 = (hi + out - 1) / out;
-        int64_t cum = 0, prev = 0;
+    /* Weight of input i = its overlap with [lo, hi) / in, quantised by cumulative rounding so
+     * each output's weights sum to exactly 1 << WBITS. */
+    const double scale = (double)(1 << WBITS) / (double)in;
+    for (int64_t o = 0, i0 = 0; o < out; o++) {
+        const int64_t lo = o * in, hi = lo + in;
+        while ((i0 + 1) * out <= lo)
+            i0++;
+        int64_t cum = 0;
+        int32_t prev = 0;
         int16_t *w = t->w + o * t->kp;
-        for (int64_t i = i0; i < i1; i++) {
-            int64_t a = i * out > lo ? i * out : lo, b = (i + 1) * out < hi ? (i + 1) * out : hi;
+        int64_t i = i0;
+        for (; i * out < hi; i++) {
+            const int64_t a = i * out > lo ? i * out : lo, b = (i + 1) * out < hi ? (i + 1) * out : hi;
             cum += b - a;
-            int64_t q = ((cum << WBITS) + in / 2) / in;
+            const int32_t q = cum == in ? (1 << WBITS) : (int32_t)((double)cum * scale + 0.5);
             w[i - i0] = (int16_t)(q - prev);
             prev = q;
         }
         t->start[o] = (int32_t)i0;
-        t->count[o] = (int32_t)(i1 - i0);
+        t->count[o] = (int32_t)(i - i0);
     }
     return 0;
 }
@@ -176,43 +187,77 @@ __attribute__((target("avx2"))) static void vpass_avx2(const uint8_t *const *row
     }
 }
 
-/* Two output pixels per iteration (one per 128-bit lane), two taps per vpmaddwd: a 16-byte
- * load at tap pair j holds pixels sx+2j and sx+2j+1 (C=4), or those and 2 spare int16 (C=3);
- * a byte shuffle interleaves them per channel. wtab holds, per pixel pair and tap pair, the
- * weight pair of the first pixel x4 then of the second x4. Each pixel is stored as 4 bytes
- * (C=3: the 4th is the next pixel's first channel, overwritten by the next store), so the
- * caller leaves the very last pixel of the image to hpass_c. Returns the pixels done. */
-__attribute__((target("avx2"))) static int hpass_avx2(const int16_t *tmp, const Taps *tx, const int32_t *wtab,
-                                                      int ow, int C, int npix, uint8_t *out)
+/* Four output pixels per iteration, two per 256-bit register (one per 128-bit lane), two
+ * taps per vpmaddwd: a 16-byte load at tap pair j holds pixels sx+2j and sx+2j+1 (C=4), or
+ * those and 2 spare int16 (C=3); a byte shuffle interleaves them per channel. wtab holds, per
+ * pixel pair and tap pair, the weight pair of the first pixel x4 then of the second x4. The
+ * four pixels go out in one 16-byte store (C=3: 12 bytes and 4 zero bytes that later stores
+ * overwrite), so the caller passes npix short enough that it stays inside dst. C and kp2 are
+ * compile-time constants in the instances below (the tap loop unrolls). Returns the pixels
+ * done; hpass_c does the rest. */
+static inline __attribute__((always_inline, target("avx2"))) __m256i
+hpair_avx2(const int16_t *p0, const int16_t *p1, const __m256i *wv, const __m256i mask, const int C,
+           const int kp2)
 {
-    const int kp2 = tx->kp >> 1;
+    __m256i acc = _mm256_set1_epi32(1 << (HSHIFT - 1));
+    for (int j = 0; j < kp2; j++) {
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + j * 2 * C))),
+                                            _mm_loadu_si128((const __m128i *)(p1 + j * 2 * C)), 1);
+        v = _mm256_shuffle_epi8(v, mask);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_loadu_si256(wv + j)));
+    }
+    return _mm256_srai_epi32(acc, HSHIFT);
+}
+
+static inline __attribute__((always_inline, target("avx2"))) int
+hpass_avx2_impl(const int16_t *tmp, const int32_t *off, const int32_t *wtab, int npix, uint8_t *out, const int C,
+                const int kp2)
+{
     const __m256i mask = C == 4 ? _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
                                                    0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
                                 : _mm256_setr_epi8(0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11, -1, -1, -1, -1,
                                                    0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11, -1, -1, -1, -1);
-    const __m256i round = _mm256_set1_epi32(1 << (HSHIFT - 1));
-    const int step = 2 * C; /* int16 elements per tap pair */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m128i pack3 = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    const __m256i *w = (const __m256i *)wtab;
     int x = 0;
-    (void)ow;
-    for (; x + 2 <= npix; x += 2) {
-        const int16_t *p0 = tmp + (size_t)tx->start[x] * C;
-        const int16_t *p1 = tmp + (size_t)tx->start[x + 1] * C;
-        const __m256i *wv = (const __m256i *)(wtab + (size_t)(x >> 1) * kp2 * 8);
-        __m256i acc = round;
-        for (int j = 0; j < kp2; j++) {
-            __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + j * step))),
-                                                _mm_loadu_si128((const __m128i *)(p1 + j * step)), 1);
-            v = _mm256_shuffle_epi8(v, mask);
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_loadu_si256(wv + j)));
-        }
-        acc = _mm256_srai_epi32(acc, HSHIFT);
-        __m256i b = _mm256_packs_epi32(acc, acc);
-        b = _mm256_packus_epi16(b, b);
-        const int32_t v0 = _mm256_cvtsi256_si32(b), v1 = _mm256_extract_epi32(b, 4);
-        memcpy(out + (size_t)x * C, &v0, 4);
-        memcpy(out + (size_t)(x + 1) * C, &v1, 4);
+    for (; x + 4 <= npix; x += 4) {
+        const __m256i a = hpair_avx2(tmp + off[x], tmp + off[x + 1], w + (size_t)(x >> 1) * kp2, mask, C, kp2);
+        const __m256i b = hpair_avx2(tmp + off[x + 2], tmp + off[x + 3], w + (size_t)((x >> 1) + 1) * kp2, mask, C, kp2);
+        /* lanes: a = [px0 | px1], b = [px2 | px3] -> bytes px0 px2 .. | px1 px3 .. -> px0..px3 */
+        __m256i v = _mm256_packs_epi32(a, b);
+        v = _mm256_packus_epi16(v, v);
+        __m128i q = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(v, order));
+        if (C == 3)
+            q = _mm_shuffle_epi8(q, pack3);
+        _mm_storeu_si128((__m128i *)(out + (size_t)x * C), q);
     }
     return x;
+}
+
+#define HPASS_INSTANCE(C, KP2)                                                                                   \
+    __attribute__((target("avx2"))) static int hpass_avx2_##C##_##KP2(const int16_t *tmp, const int32_t *off,     \
+                                                                      const int32_t *wtab, int npix, uint8_t *out, \
+                                                                      int kp2)                                     \
+    {                                                                                                              \
+        return hpass_avx2_impl(tmp, off, wtab, npix, out, C, KP2 ? KP2 : kp2);                                     \
+    }
+HPASS_INSTANCE(3, 1)
+HPASS_INSTANCE(3, 2)
+HPASS_INSTANCE(3, 0)
+HPASS_INSTANCE(4, 1)
+HPASS_INSTANCE(4, 2)
+HPASS_INSTANCE(4, 0)
+
+typedef int (*hpass_fn)(const int16_t *, const int32_t *, const int32_t *, int, uint8_t *, int);
+
+static hpass_fn hpass_avx2_for(int C, int kp2)
+{
+    if (C == 3)
+        return kp2 == 1 ? hpass_avx2_3_1 : kp2 == 2 ? hpass_avx2_3_2 : hpass_avx2_3_0;
+    if (C == 4)
+        return kp2 == 1 ? hpass_avx2_4_1 : kp2 == 2 ? hpass_avx2_4_2 : hpass_avx2_4_0;
+    return NULL;
 }
 
 static int have_avx2(void)
@@ -241,7 +286,7 @@ static int run(const Job *j)
     Taps ty = {0}, tx = {0};
     const uint8_t **rows = NULL;
     int16_t *tmp = NULL;
-    int32_t *acc = NULL, *wpair = NULL, *wtab = NULL;
+    int32_t *acc = NULL, *wpair = NULL, *wtab = NULL, *off = NULL;
     int status = -1;
     const Py_ssize_t len = (Py_ssize_t)j->W * j->C;
     const size_t orow = (size_t)j->ow * j->C;
@@ -259,8 +304,13 @@ static int run(const Job *j)
     int use_avx2 = 0;
 #if HAVE_AVX2_KERNELS
     use_avx2 = j->simd && have_avx2();
-    const int hsimd = use_avx2 && (j->C == 3 || j->C == 4);
+    const hpass_fn hsimd = use_avx2 ? hpass_avx2_for(j->C, tx.kp / 2) : NULL;
     if (hsimd) {
+        off = PyMem_RawMalloc((size_t)j->ow * sizeof(int32_t));
+        if (off == NULL)
+            goto done;
+        for (int x = 0; x < j->ow; x++)
+            off[x] = tx.start[x] * j->C;
         const int kp2 = tx.kp / 2, pairs = (j->ow + 1) / 2;
         wtab = PyMem_RawCalloc((size_t)pairs * kp2 * 8, sizeof(int32_t));
         if (wtab == NULL)
@@ -294,9 +344,9 @@ static int run(const Job *j)
             vpass_c(rows, w, n, len, acc, tmp);
 #if HAVE_AVX2_KERNELS
         if (hsimd) {
-            /* The last pixel of the image must not store a 4th byte past dst. */
-            const int npix = (y == j->oh - 1) ? j->ow - 1 : j->ow;
-            done_px = hpass_avx2(tmp, &tx, wtab, j->ow, j->C, npix, out);
+            /* In the last row, C=3's 4 spare bytes must not land past dst. */
+            const int npix = (y == j->oh - 1 && j->C == 3) ? j->ow - 2 : j->ow;
+            done_px = hsimd(tmp, off, wtab, npix, out, tx.kp / 2);
         }
 #endif
         hpass_c(tmp, &tx, j->ow, j->C, done_px, out);
@@ -310,6 +360,7 @@ done:
     PyMem_RawFree(tmp);
     PyMem_RawFree(acc);
     PyMem_RawFree(wtab);
+    PyMem_RawFree(off);
     return status;
 }
 
