@@ -2,7 +2,10 @@
 
 Trains the digits recipe with DDP, gradient accumulation (no_sync) and optionally activation
 checkpointing, then each rank writes its
-final weights and validation accuracy to OUT/rank<k>.pt for the test to compare.
+final weights and validation accuracy to OUT/rank<k>.pt for the test to compare. With
+``--odd-val PACK`` (a validation set whose size does not divide by the world size) it also
+evaluates the final weights on it, through a fastload DataLoader and through make_loader
+(DataLoader + CUDAPrefetcher), and records those EvalStats.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--checkpoint-blocks", default="", help="comma-separated submodules to recompute")
+    ap.add_argument("--odd-val", default=None, help="a pack to evaluate the final weights on")
     args = ap.parse_args()
     torch.set_num_threads(1)
     info = train.init_distributed()
@@ -53,8 +57,18 @@ def main() -> None:
 
     trainer, hist = digits_recipe(tl, vl, dist=info, accum_steps=args.accum, before_fit=register,
                                   checkpoint_blocks=tuple(b for b in args.checkpoint_blocks.split(",") if b))
+    odd = {}
+    if args.odd_val:
+        from fastload.loaders import make_loader
+
+        plain = DataLoader(ImageFolder(args.odd_val), 16, shuffle=False, num_workers=0)
+        assert plain.world_size == info.world_size
+        odd["loader"] = trainer.evaluate(plain).as_dict()
+        made = make_loader(args.odd_val, batch_size=16, train=False, crop=32, resize_ratio=1.0, num_workers=0,
+                           mean=(0.5,) * 3, std=(0.25,) * 3)
+        odd["make_loader"] = trainer.evaluate(made).as_dict()
     torch.save({"rank": info.rank, "world_size": info.world_size, "state": trainer.module.state_dict(),
-                "history": hist, "steps": trainer.step, "synced_backwards": synced[0]},
+                "history": hist, "steps": trainer.step, "synced_backwards": synced[0], "odd_val": odd},
                Path(args.out) / f"rank{info.rank}.pt")
     train.cleanup_distributed()
 

@@ -439,6 +439,23 @@ class DataLoader:
         per_rank = len(self.sampler)
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
+    @property
+    def num_padded(self) -> int:
+        """How many of this rank's samples per epoch only repeat other ranks' samples.
+
+        With ``drop_last=False`` under DDP every rank is padded to the same count by wrapping
+        around (see :mod:`fastload.data.sampler`), so a rank may get one sample that another
+        rank also gets (more only when the dataset is smaller than the world). The padding is
+        always the last samples of the rank's epoch: leaving out the final ``num_padded``
+        samples of a full pass counts every image exactly once over all ranks, while every
+        rank still runs the same number of batches. :meth:`fastload.train.Trainer.evaluate`
+        does that. 0 with ``drop_last=True`` (nothing is repeated; the remainder is dropped).
+        """
+        if self.drop_last:
+            return 0
+        distinct = len(range(self.rank, len(self.dataset), self.world_size))  # rank r: r, r + W, ... < n
+        return len(self.sampler) - distinct
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a no-op when it is the current one, so a resumed state holds)."""
         self._pos.set_epoch(epoch)

@@ -139,7 +139,7 @@ class EvalStats:
     loss: float
     acc1: float  # top-1 accuracy in [0, 1]
     acc5: float  # top-5 accuracy (equals 1.0 with 5 or fewer classes)
-    samples: int  # images evaluated on all ranks
+    samples: int  # distinct images evaluated on all ranks (padding repeats are not counted)
     seconds: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -223,6 +223,25 @@ def apply_activation_checkpointing(model: nn.Module, names: Iterable[str]) -> nn
         m.forward = functools.partial(_checkpointed_forward, m, m.forward)
         m._fastload_checkpointed = True
     return model
+
+
+def _padded_tail(loader: Any) -> int:
+    """Samples at the end of one pass of ``loader`` on this rank that repeat other ranks' samples.
+
+    Read from ``num_padded`` (fastload's DataLoader), on ``loader`` or on the loaders it wraps
+    through ``.loader`` (CUDAPrefetcher); 0 when none of them has it.
+    """
+    seen: set[int] = set()
+    while loader is not None and id(loader) not in seen:
+        seen.add(id(loader))
+        pad = getattr(loader, "num_padded", None)
+        if pad is not None:
+            pad = int(pad)
+            if pad < 0:
+                raise ValueError(f"{type(loader).__name__}.num_padded must be >= 0, got {pad}")
+            return pad
+        loader = getattr(loader, "loader", None)
+    return 0
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -422,29 +441,50 @@ class Trainer:
 
     @torch.inference_mode()
     def evaluate(self, loader: Iterable) -> EvalStats:
-        """Loss and top-1/top-5 accuracy over ``loader``, summed over all ranks."""
+        """Loss and top-1/top-5 accuracy over ``loader``, summed over all ranks.
+
+        Under DDP a loader that pads every rank to the same length (fastload's DataLoader with
+        ``drop_last=False``) repeats a few images on some ranks. Every rank still runs all its
+        batches, so the ranks' forward passes stay in step (DDP's forward can broadcast
+        buffers), but the repeats at the end of each rank's pass, ``loader.num_padded`` of
+        them, are left out of the sums: each image is counted exactly once. The count is read
+        from ``loader`` or the loader it wraps (``loader.loader``, as in CUDAPrefetcher); a
+        loader without ``num_padded`` is taken to repeat nothing.
+        """
         was_training = self.model.training
         self.model.eval()
         t0 = time.perf_counter()
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, n
+        pad = _padded_tail(loader)
+        tail: collections.deque[torch.Tensor] = collections.deque()  # per-sample rows of the last batches
+        in_tail = 0
         for batch in loader:
             x, y = self._prepare(batch)
             with self._autocast():
                 out = self.model(x)
             out = out.float()
-            sums[0] += F.cross_entropy(out, y, reduction="sum")
-            top = out.topk(min(5, out.shape[1]), dim=1).indices
-            hit = top == y[:, None]
-            sums[1] += hit[:, 0].sum()
-            sums[2] += hit.any(dim=1).sum()
-            sums[3] += y.shape[0]
+            hit = out.topk(min(5, out.shape[1]), dim=1).indices == y[:, None]
+            rows = torch.stack([F.cross_entropy(out, y, reduction="none").double(), hit[:, 0].double(),
+                                hit.any(dim=1).double()], dim=1)  # (batch, [loss, top1, top5])
+            sums[:3] += rows.sum(dim=0)
+            sums[3] += rows.shape[0]
+            if pad:  # keep just enough of the latest rows to take the padding back out at the end
+                tail.append(rows)
+                in_tail += rows.shape[0]
+                while in_tail - tail[0].shape[0] >= pad:
+                    in_tail -= tail.popleft().shape[0]
+        if tail:
+            repeats = torch.cat(tuple(tail))[-pad:]
+            sums[:3] -= repeats.sum(dim=0)
+            sums[3] -= repeats.shape[0]
         all_reduce_sum(sums)
         loss, c1, c5, n = sums.tolist()
         self._host_inflight.clear()  # tolist() synchronised: every copy has run
         self.model.train(was_training)
         if n == 0:
             raise ValueError("evaluation loader yielded no samples")
-        return EvalStats(loss=loss / n, acc1=c1 / n, acc5=c5 / n, samples=int(n), seconds=time.perf_counter() - t0)
+        return EvalStats(loss=loss / n, acc1=c1 / n, acc5=c5 / n, samples=int(round(n)),
+                         seconds=time.perf_counter() - t0)
 
     def fit(self, train_loader: Iterable, *, epochs: int, val_loader: Iterable | None = None,
             checkpoint_path: str | Path | None = None) -> list[dict[str, Any]]:
