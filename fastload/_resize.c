@@ -131,18 +131,30 @@ static inline uint8_t clamp_u8(int32_t v)
     return (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
 }
 
+/* Every tap of the (even) tap count, weight 0 or not: the same loop length for each pixel,
+ * so the loops over taps and (constant) channels unroll and predict well. */
+static inline void hpass_c_impl(const int16_t *tmp, const Taps *tx, int ow, const int C, int x0, uint8_t *out)
+{
+    const int kp = tx->kp;
+    for (int x = x0; x < ow; x++) {
+        const int16_t *w = tx->w + (size_t)x * kp;
+        const int16_t *p = tmp + (size_t)tx->start[x] * C;
+        int32_t a[4] = {1 << (HSHIFT - 1), 1 << (HSHIFT - 1), 1 << (HSHIFT - 1), 1 << (HSHIFT - 1)};
+        for (int k = 0; k < kp; k++, p += C)
+            for (int c = 0; c < C; c++)
+                a[c] += (int32_t)w[k] * p[c];
+        for (int c = 0; c < C; c++)
+            out[(size_t)x * C + c] = clamp_u8(a[c] >> HSHIFT);
+    }
+}
+
 static void hpass_c(const int16_t *tmp, const Taps *tx, int ow, int C, int x0, uint8_t *out)
 {
-    for (int x = x0; x < ow; x++) {
-        const int16_t *w = tx->w + (size_t)x * tx->kp;
-        const int16_t *p = tmp + (size_t)tx->start[x] * C;
-        const int n = tx->count[x];
-        for (int c = 0; c < C; c++) {
-            int32_t a = 1 << (HSHIFT - 1);
-            for (int k = 0; k < n; k++)
-                a += (int32_t)w[k] * p[k * C + c];
-            out[(size_t)x * C + c] = clamp_u8(a >> HSHIFT);
-        }
+    switch (C) {
+    case 1: hpass_c_impl(tmp, tx, ow, 1, x0, out); break;
+    case 2: hpass_c_impl(tmp, tx, ow, 2, x0, out); break;
+    case 3: hpass_c_impl(tmp, tx, ow, 3, x0, out); break;
+    default: hpass_c_impl(tmp, tx, ow, 4, x0, out); break;
     }
 }
 
