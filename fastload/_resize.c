@@ -161,32 +161,45 @@ static void hpass_c(const int16_t *tmp, const Taps *tx, int ow, int C, int x0, u
 /* ---- AVX2 kernels ---- */
 #if HAVE_AVX2_KERNELS
 
-__attribute__((target("avx2"))) static void vpass_avx2(const uint8_t *const *rows, const int32_t *wpair, int n,
-                                                       Py_ssize_t len, int16_t *out)
+/* Vertical pass over one output row: wpair[j] = w[2j] | w[2j+1] << 16 (an odd last tap is
+ * paired with weight 0). vpmaddwd on interleaved int16 (a_i, b_i) gives a_i*w_a + b_i*w_b per
+ * int32; the accumulators stay in registers across the taps, and unpacklo/hi and packs both
+ * work per 128-bit lane, so the element order comes back. N > 0 is a compile-time tap count
+ * (row pointers in registers, taps unrolled); N == 0 loops over n taps. */
+static inline __attribute__((always_inline, target("avx2"))) void
+vpass_avx2_impl(const uint8_t *const *rows, const int32_t *wpair, int n, Py_ssize_t len, int16_t *out, const int N)
 {
-    /* wpair[j] = w[2j] | w[2j+1] << 16 (the odd last tap paired with weight 0). vpmaddwd on
-     * interleaved int16 (a_i, b_i) gives a_i*w_a + b_i*w_b per int32; accumulators stay in
-     * registers across the taps. */
     const __m256i round = _mm256_set1_epi32(1 << (VSHIFT - 1));
     const __m256i zero = _mm256_setzero_si256();
+    if (N)
+        n = N;
+    const uint8_t *r0 = rows[0], *r1 = n > 1 ? rows[1] : NULL, *r2 = n > 2 ? rows[2] : NULL,
+                  *r3 = n > 3 ? rows[3] : NULL;
+    const __m256i w01 = _mm256_set1_epi32(wpair[0]), w23 = _mm256_set1_epi32(n > 2 ? wpair[1] : 0);
     Py_ssize_t x = 0;
     for (; x + 16 <= len; x += 16) {
         __m256i lo = round, hi = round;
-        int k = 0;
-        for (; k + 1 < n; k += 2) {
-            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[k] + x)));
-            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[k + 1] + x)));
-            const __m256i wv = _mm256_set1_epi32(wpair[k >> 1]);
-            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wv));
-            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wv));
+        if (N) {
+            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r0 + x)));
+            const __m256i b = N > 1 ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r1 + x))) : zero;
+            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), w01));
+            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), w01));
+            if (N > 2) {
+                const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r2 + x)));
+                const __m256i d = N > 3 ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r3 + x))) : zero;
+                lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(c, d), w23));
+                hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(c, d), w23));
+            }
+        } else {
+            for (int k = 0; k < n; k += 2) {
+                const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[k] + x)));
+                const __m256i b =
+                    k + 1 < n ? _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[k + 1] + x))) : zero;
+                const __m256i wv = _mm256_set1_epi32(wpair[k >> 1]);
+                lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), wv));
+                hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), wv));
+            }
         }
-        if (k < n) {
-            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[k] + x)));
-            const __m256i wv = _mm256_set1_epi32(wpair[k >> 1]);
-            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, zero), wv));
-            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, zero), wv));
-        }
-        /* unpacklo/hi and packs both work per 128-bit lane, so the order comes back. */
         lo = _mm256_srai_epi32(lo, VSHIFT);
         hi = _mm256_srai_epi32(hi, VSHIFT);
         _mm256_storeu_si256((__m256i *)(out + x), _mm256_packs_epi32(lo, hi));
@@ -196,6 +209,18 @@ __attribute__((target("avx2"))) static void vpass_avx2(const uint8_t *const *row
         for (int k = 0; k < n; k++)
             a += (int32_t)(int16_t)(k & 1 ? wpair[k >> 1] >> 16 : wpair[k >> 1]) * rows[k][x];
         out[x] = (int16_t)(a >> VSHIFT);
+    }
+}
+
+__attribute__((target("avx2"))) static void vpass_avx2(const uint8_t *const *rows, const int32_t *wpair, int n,
+                                                       Py_ssize_t len, int16_t *out)
+{
+    switch (n) {
+    case 1: vpass_avx2_impl(rows, wpair, n, len, out, 1); break;
+    case 2: vpass_avx2_impl(rows, wpair, n, len, out, 2); break;
+    case 3: vpass_avx2_impl(rows, wpair, n, len, out, 3); break;
+    case 4: vpass_avx2_impl(rows, wpair, n, len, out, 4); break;
+    default: vpass_avx2_impl(rows, wpair, n, len, out, 0); break;
     }
 }
 
