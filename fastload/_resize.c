@@ -32,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(FASTLOAD_RESIZE_PORTABLE) /* -D...: build as on non-x86 */
 #define HAVE_AVX2_KERNELS 1
 #include <immintrin.h>
 #else
@@ -338,9 +338,8 @@ static int run(const Job *j)
     if (rows == NULL || wpair == NULL || tmp == NULL || acc == NULL)
         goto done;
 
-    int use_avx2 = 0;
 #if HAVE_AVX2_KERNELS
-    use_avx2 = j->simd && have_avx2();
+    const int use_avx2 = j->simd && have_avx2();
     const hpass_fn hsimd = use_avx2 ? hpass_avx2_for(j->C, tx.kp / 2) : NULL;
     if (hsimd) {
         off = PyMem_RawMalloc((size_t)j->ow * sizeof(int32_t));
