@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastload.transforms as T
+from fastload.data.resize import resize_area
 from fastload.data.transforms import Plan, fixed_output_hw
 from fastload.image import center_crop
 
@@ -55,7 +56,28 @@ def test_planned_pipeline_equals_doing_it_step_by_step(img):
     interp = cv2.INTER_AREA if 40 * 50 < h * w else cv2.INTER_LINEAR
     expected = cv2.resize(crop, (50, 40), interpolation=interp)[:, ::-1]
     assert out.shape == (40, 50, 3) and out.dtype == np.uint8
-    assert np.array_equal(out, expected)
+    if interp == cv2.INTER_AREA and h >= 40 and w >= 50:  # fastload's own area filter: within 1
+        assert np.abs(out.astype(int) - expected).max() <= 1
+        assert np.array_equal(out, resize_area(crop, np.empty((40, 50, 3), np.uint8))[:, ::-1])
+    else:
+        assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_shrinking_crops_use_the_area_filter_within_one_of_opencv(channels):
+    rng = np.random.default_rng(channels)
+    img = cv2.GaussianBlur(rng.integers(0, 256, (300, 340, channels), dtype=np.uint8), (0, 0), 1.0)
+    img = img.reshape(300, 340, channels)
+    t = T.Compose([T.RandomResizedCrop(64, scale=(0.3, 1.0)), T.RandomHorizontalFlip()])
+    for k in range(40):  # every box is at least ~150 px a side: all shrink to 64
+        plan = t.plan(img.shape[:2], np.random.default_rng(k))
+        out = plan.execute(img, img.shape[:2])
+        box = img[int(round(plan.top)) : int(round(plan.top + plan.h)), int(round(plan.left)) : int(round(plan.left + plan.w))]
+        ref = cv2.resize(box, (64, 64), interpolation=cv2.INTER_AREA).reshape(64, 64, channels)
+        if plan.flip:
+            ref = ref[:, ::-1]
+        assert out.shape == (64, 64, channels)
+        assert np.abs(out.astype(int) - ref).max() <= 1
 
 
 def test_plan_writes_into_a_batch_slot_with_the_same_pixels(img):

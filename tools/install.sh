@@ -20,9 +20,10 @@ if ! ldconfig -p 2>/dev/null | grep libturbojpeg >/dev/null; then
     fi
 fi
 
-# fastload's optional C extension (cropped JPEG decode, fastload._jpegcrop) compiles against
-# libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev) with a C compiler. Without them pip
-# skips the extension and fastload decodes with simplejpeg/OpenCV instead.
+# fastload's optional C extensions need a C compiler: fastload._jpegcrop (cropped JPEG decode)
+# also libjpeg-turbo's headers (Debian: libjpeg62-turbo-dev); fastload._resize (the fast area
+# filter) nothing else. Without them pip skips the extensions and fastload falls back to
+# simplejpeg/OpenCV.
 if [ ! -f /usr/include/jpeglib.h ] || ! command -v cc >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         echo "[install] apt-get install libjpeg62-turbo-dev gcc"

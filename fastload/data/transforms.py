@@ -31,6 +31,8 @@ import cv2
 import numpy as np
 
 from .draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, SampleDraws, rrc_box, take
+from .resize import available as resize_available
+from .resize import resize_area
 
 Rng = Union[np.random.Generator, SampleDraws]  # what transforms draw their random numbers from
 
@@ -151,6 +153,13 @@ class Plan:
         interp = self.interpolation
         if interp is None:
             interp = cv2.INTER_AREA if oh * ow < bh * bw else cv2.INTER_LINEAR
+        if interp == cv2.INTER_AREA and oh <= bh and ow <= bw and _area_fast(crop, dst):
+            # A shrink on both axes: fastload's area filter (within 1 of OpenCV's, ~6x faster).
+            out = dst if dst is not None else np.empty((oh, ow, crop.shape[2]), np.uint8)
+            resize_area(crop, out)
+            if self.flip:
+                cv2.flip(out, 1, dst=out)
+            return out
         if crop.ndim == 3 and crop.shape[2] == 1:  # OpenCV drops a single channel axis
             out = cv2.resize(crop[:, :, 0], (ow, oh), interpolation=interp)[:, :, None]
             if self.flip:
@@ -166,6 +175,19 @@ class Plan:
         if self.flip:
             cv2.flip(out, 1, dst=out)
         return out
+
+
+def _area_fast(crop: np.ndarray, dst: np.ndarray | None) -> bool:
+    """Whether fastload's C area filter can take this crop (else OpenCV's INTER_AREA does)."""
+    return (
+        resize_available()
+        and crop.ndim == 3
+        and crop.dtype == np.uint8
+        and crop.shape[2] <= 4
+        and crop.strides[2] == 1
+        and crop.strides[1] == crop.shape[2]
+        and (dst is None or dst.flags.c_contiguous)
+    )
 
 
 def _padded_crop(img: np.ndarray, t: int, l: int, bh: int, bw: int) -> np.ndarray:
