@@ -55,7 +55,7 @@ from ..config import usable_cpus
 from ..errors import DecodeError, FastloadError, FormatError
 from .collate import collate_uint8
 from .position import EpochPosition
-from .sampler import DistributedEpochSampler
+from .sampler import DistributedEpochSampler, padded_per_rank
 
 __all__ = ["DataLoader", "WorkerError"]
 
@@ -451,10 +451,8 @@ class DataLoader:
         rank still runs the same number of batches. :meth:`fastload.train.Trainer.evaluate`
         does that. 0 with ``drop_last=True`` (nothing is repeated; the remainder is dropped).
         """
-        if self.drop_last:
-            return 0
-        distinct = len(range(self.rank, len(self.dataset), self.world_size))  # rank r: r, r + W, ... < n
-        return len(self.sampler) - distinct
+        return padded_per_rank(len(self.dataset), rank=self.rank, world_size=self.world_size,
+                               drop_last=self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a no-op when it is the current one, so a resumed state holds)."""

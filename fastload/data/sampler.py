@@ -45,6 +45,16 @@ def samples_per_rank(n: int, *, world_size: int, drop_last: bool) -> int:
     return n // world_size if drop_last else -(-n // world_size)
 
 
+def padded_per_rank(n: int, *, rank: int, world_size: int, drop_last: bool) -> int:
+    """How many of rank ``rank``'s samples per epoch only repeat other ranks' samples: the
+    wrap-around padding of ``drop_last=False``, always the last ones of the rank's epoch (0
+    with ``drop_last=True``). An evaluation that leaves them out counts every image once."""
+    if drop_last:
+        return 0
+    distinct = len(range(rank, n, world_size))  # rank r reads positions r, r + W, ... < n
+    return samples_per_rank(n, world_size=world_size, drop_last=False) - distinct
+
+
 def epoch_indices(
     n: int,
     *,

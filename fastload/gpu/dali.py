@@ -33,7 +33,7 @@ from ..config import usable_cpus
 from ..data.draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, rrc_boxes, uniform
 from ..data.loader import _resolve_distributed
 from ..data.position import EpochPosition
-from ..data.sampler import epoch_indices, samples_per_rank
+from ..data.sampler import epoch_indices, padded_per_rank, samples_per_rank
 from ..errors import FormatError, require
 from ..storage import open_pack
 
@@ -295,6 +295,14 @@ class DALILoader:
 
     def __len__(self) -> int:
         return self._source(0, 0).num_batches()
+
+    @property
+    def num_padded(self) -> int:
+        """How many of this rank's samples per epoch repeat other ranks' (the DDP padding,
+        last in the epoch); :meth:`fastload.train.Trainer.evaluate` leaves them out. The same
+        as fastload's DataLoader."""
+        return padded_per_rank(self.num_samples, rank=self.rank, world_size=self.world_size,
+                               drop_last=self.drop_last)
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """The dataset indices this rank reads in ``epoch``, in batch order."""
