@@ -178,6 +178,24 @@ def test_ddp_sharding_two_ranks_like_the_sampler(packs, drop_last):
 
 
 @needs_dali
+def test_num_padded_matches_fastloads_loader(packs):
+    """24 samples over 5 ranks: 5 per rank, so 1 of the 25 reads repeats; evaluation leaves
+    the repeats out through num_padded, the same figure as fastload's DataLoader."""
+    from fastload.data.dataset import ImageFolder
+    from fastload.data.loader import DataLoader
+
+    root = packs["hdf5"]
+    ds = ImageFolder(root)
+    pads = []
+    for rank in range(5):
+        dali = _loader(root, batch_size=2, crop=24, distributed=(rank, 5))
+        assert dali.num_padded == DataLoader(ds, 2, distributed=(rank, 5), num_workers=0).num_padded
+        assert _loader(root, batch_size=2, crop=24, distributed=(rank, 5), drop_last=True).num_padded == 0
+        pads.append(dali.num_padded)
+    assert pads == [0, 0, 0, 0, 1]
+
+
+@needs_dali
 def test_set_epoch_reshuffles_and_early_break_resumes_the_epoch(packs):
     root = packs["lmdb"]
     labels = _labels(root)
