@@ -55,3 +55,8 @@ if "$py" -c "import fastload._jpegcrop" >/dev/null 2>&1; then
 else
     echo "[install] note: fastload._jpegcrop not built; decoding falls back to simplejpeg/OpenCV" >&2
 fi
+if "$py" -c "import fastload._resize" >/dev/null 2>&1; then
+    echo "[install] built fastload._resize (area filter for shrinking crops)"
+else
+    echo "[install] note: fastload._resize not built; shrinking crops fall back to OpenCV's INTER_AREA" >&2
+fi
