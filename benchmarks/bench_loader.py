@@ -336,8 +336,8 @@ def main(argv=None) -> int:
             f"runs at {res['B']:,.0f} img/s, {res['B'] / res['ceil jpeg@256']:.0%} of the jpeg@256 ceiling "
             f"({args.workers} processes doing only get + decode + crop + resize + flip, with fastload's cropped "
             f"decode), which is {jpeg_room:.2f}x FFCV. The issue's estimate had FFCV at ~950 img/s against a "
-            f"~3,000 ceiling; a loader cannot beat its ceiling, so 2x FFCV would need a faster decode, not a "
-            f"faster loader."
+            f"~3,000 ceiling; a loader cannot beat its ceiling, so 2x FFCV would need faster per-image work "
+            f"(decode, resize), not a faster loader."
         )
     if "B" in res:
         ratios.append(f"jpeg@256 (lmdb) / FFCV: {res['jpeg@256 lmdb'] / res['B']:.2f}x (target >= 2x)")
