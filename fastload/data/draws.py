@@ -29,6 +29,8 @@ __all__ = [
     "STREAM_STEP",
     "BatchDraws",
     "SampleDraws",
+    "crop_boxes",
+    "flip_flags",
     "rrc_box",
     "rrc_boxes",
     "take",
@@ -135,6 +137,22 @@ def rrc_boxes(
     for r in np.flatnonzero(~ok[rows, first]):
         boxes[r] = _fallback(int(hh[r, 0]), int(ww[r, 0]), ratio)
     return boxes
+
+
+def crop_boxes(
+    seed: int, epoch: int, indices: Any, heights: Any, widths: Any, *,
+    scale: tuple[float, float], ratio: tuple[float, float], attempts: int = RRC_ATTEMPTS,
+) -> np.ndarray:
+    """RandomResizedCrop boxes (int64 ``(n, 4)``: top, left, h, w) of samples ``indices`` in
+    ``epoch``, for stored sizes ``heights`` x ``widths`` (scalars or per sample): what the CPU
+    transform picks for each of them, computed for the whole batch at once."""
+    u = uniform(seed, epoch, indices, stream=STREAM_CROP, draws=4 * attempts)
+    return rrc_boxes(heights, widths, u, scale=scale, ratio=ratio)
+
+
+def flip_flags(seed: int, epoch: int, indices: Any, p: float) -> np.ndarray:
+    """Which of samples ``indices`` RandomHorizontalFlip(``p``) mirrors in ``epoch`` (bool ``(n,)``)."""
+    return uniform(seed, epoch, indices, stream=STREAM_FLIP)[:, 0] < p
 
 
 # -- draws for the samples of one batch -------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import usable_cpus
-from ..data.draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, rrc_boxes, uniform
+from ..data.draws import crop_boxes, flip_flags
 from ..data.loader import _resolve_distributed
 from ..data.position import EpochPosition
 from ..data.sampler import epoch_indices, padded_per_rank, samples_per_rank
@@ -139,9 +139,8 @@ class PackBatchSource:
         (int32) of samples ``idx``: the draws of fastload's CPU RandomResizedCrop +
         RandomHorizontalFlip for the same samples."""
         hw = self.hw[idx]
-        u = uniform(self.seed, epoch, idx, stream=STREAM_CROP, draws=4 * RRC_ATTEMPTS)
-        boxes = rrc_boxes(hw[:, 0], hw[:, 1], u, scale=self.scale, ratio=self.ratio)
-        flips = uniform(self.seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < self.flip_p
+        boxes = crop_boxes(self.seed, epoch, idx, hw[:, 0], hw[:, 1], scale=self.scale, ratio=self.ratio)
+        flips = flip_flags(self.seed, epoch, idx, self.flip_p)
         dtype = np.float32 if self.shapes is not None else np.int32
         start = boxes[:, :2].astype(dtype)
         end = (boxes[:, :2] + boxes[:, 2:]).astype(dtype)
@@ -354,7 +353,6 @@ class DALILoader:
         mean = [m * 255.0 for m in self.mean]
         std = [s * 255.0 for s in self.std]
         train = self.train
-        scale, ratio = list(self.scale), list(self.ratio)
         resize_to = max(crop, int(round(crop / self.resize_ratio)))
         layout = "HWC" if self.channels_last else "CHW"
 

@@ -12,7 +12,6 @@ transforms' draws: on a batch of the stored size, :func:`random_resized_crop` wi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..data.draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, rrc_boxes, uniform
+from ..data.draws import RRC_ATTEMPTS, crop_boxes, flip_flags, uniform
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -141,7 +140,7 @@ def random_flip(
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"flip probability must be in [0, 1], got {p}")
     idx = _as_index_array(indices, images.shape[0])
-    decisions = uniform(seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < p
+    decisions = flip_flags(seed, epoch, idx, p)
     return flip_batch(images, torch.from_numpy(decisions)), decisions
 
 
@@ -168,8 +167,7 @@ def sample_crop_boxes(
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    u = uniform(seed, epoch, idx, stream=STREAM_CROP, draws=4 * attempts)
-    return rrc_boxes(height, width, u, scale=scale, ratio=ratio)
+    return crop_boxes(seed, epoch, idx, height, width, scale=scale, ratio=ratio, attempts=attempts)
 
 
 def _crop_grid(
@@ -216,7 +214,7 @@ def random_resized_crop(
     n, _, height, width = images.shape
     idx = _as_index_array(indices, n)
     boxes = sample_crop_boxes(height, width, seed=seed, epoch=epoch, indices=idx, scale=scale, ratio=ratio)
-    flips = uniform(seed, epoch, idx, stream=STREAM_FLIP)[:, 0] < flip_p if flip_p > 0 else None
+    flips = flip_flags(seed, epoch, idx, flip_p) if flip_p > 0 else None
     grid = _crop_grid(boxes, flips, (height, width), out_hw, images.device)
     src = images if images.dtype in (torch.float32, torch.float64) else images.float()
     out = F.grid_sample(src, grid.to(src.dtype), mode="bilinear", padding_mode="border", align_corners=False)
