@@ -219,3 +219,143 @@ def test_threads_share_the_extension():
         t.join()
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+# -- resize: bilinear (and per-axis auto) with a fused flip ------------------------------
+
+
+def _cv_linear(src: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    out = cv2.resize(np.ascontiguousarray(src), (ow, oh), interpolation=cv2.INTER_LINEAR)
+    return out.reshape(oh, ow, *src.shape[2:])
+
+
+def _cv_auto(src: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """Per axis: INTER_AREA where it shrinks, INTER_LINEAR where it grows (one call per axis)."""
+    h, w = src.shape[:2]
+    src = np.ascontiguousarray(src)
+    if oh <= h and ow <= w:
+        return _cv_area(src, oh, ow)
+    if oh < h:
+        src = cv2.resize(src, (w, oh), interpolation=cv2.INTER_AREA).reshape(oh, w, *src.shape[2:])
+    elif ow < w:
+        src = cv2.resize(src, (ow, h), interpolation=cv2.INTER_AREA).reshape(h, ow, *src.shape[2:])
+    return _cv_linear(src, oh, ow)
+
+
+def _resized(src, oh, ow, *, filter="auto", flip=False, simd=True):
+    dst = np.empty((oh, ow, *src.shape[2:]), np.uint8)
+    if simd:
+        assert resize.resize(src, dst, filter=filter, flip=flip) is dst
+    else:
+        resize._ext().resize(src, dst, linear=filter == "linear", flip=flip, simd=False)
+    return dst
+
+
+def _any_sizes(rng, n: int):
+    """(h, w, oh, ow, c): enlargements (RandomResizedCrop's usual case), shrinks, mixed boxes,
+    rows under 16 bytes, and large ratios that leave the shuffle-table path."""
+    for i in range(n):
+        h, w = (int(v) for v in rng.integers(1, 160, 2))
+        oh, ow = (int(v) for v in rng.integers(1, 240, 2))
+        if i % 5 == 0:  # a RandomResizedCrop box to 224x224
+            h, w, oh, ow = int(rng.integers(20, 256)), int(rng.integers(20, 256)), 224, 224
+        elif i % 5 == 1:  # a big shrink on one axis
+            w, ow = int(rng.integers(100, 400)), int(rng.integers(1, 20))
+        yield h, w, oh, ow, int(rng.choice([1, 2, 3, 4]))
+
+
+@needs_ext
+def test_linear_within_one_of_cv2_flip_mirrors_and_simd_equals_portable():
+    rng = np.random.default_rng(77)
+    for h, w, oh, ow, c in _any_sizes(rng, 300):
+        src = _crop_view(rng, h, w, c)
+        ours = _resized(src, oh, ow, filter="linear")
+        diff = int(np.abs(ours.astype(np.int16) - _cv_linear(src, oh, ow)).max())
+        assert diff <= 1, (h, w, oh, ow, c, diff)
+        flipped = _resized(src, oh, ow, filter="linear", flip=True)
+        np.testing.assert_array_equal(flipped, ours[:, ::-1], err_msg=str((h, w, oh, ow, c)))
+        for flip in (False, True):
+            np.testing.assert_array_equal(
+                _resized(src, oh, ow, filter="linear", flip=flip, simd=False),
+                flipped if flip else ours,
+                err_msg=str((h, w, oh, ow, c, flip)),
+            )
+
+
+@needs_ext
+def test_auto_is_area_or_linear_per_axis():
+    rng = np.random.default_rng(78)
+    for h, w, oh, ow, c in _any_sizes(rng, 300):
+        src = _crop_view(rng, h, w, c)
+        ours = _resized(src, oh, ow)
+        diff = int(np.abs(ours.astype(np.int16) - _cv_auto(src, oh, ow)).max())
+        assert diff <= 1, (h, w, oh, ow, c, diff)
+        if oh <= h and ow <= w:  # a shrink on both axes is exactly resize_area
+            np.testing.assert_array_equal(ours, _ours(src, oh, ow))
+        np.testing.assert_array_equal(_resized(src, oh, ow, flip=True), ours[:, ::-1])
+        np.testing.assert_array_equal(_resized(src, oh, ow, flip=True, simd=False), ours[:, ::-1])
+
+
+@needs_ext
+@settings(max_examples=150, deadline=None)
+@given(h=st.integers(1, 70), w=st.integers(1, 70), oh=st.integers(1, 150), ow=st.integers(1, 150),
+       c=st.sampled_from([1, 3, 4]), flip=st.booleans())
+def test_any_linear_resize_within_one_of_cv2(h, w, oh, ow, c, flip):
+    src = _crop_view(np.random.default_rng(h * 1000 + w), h, w, c)
+    ours = _resized(src, oh, ow, filter="linear", flip=flip)
+    ref = _cv_linear(src, oh, ow)
+    assert np.abs(ours.astype(np.int16) - (ref[:, ::-1] if flip else ref)).max() <= 1
+
+
+@needs_ext
+def test_enlarged_smooth_image_is_mostly_exact_and_constant_stays_constant():
+    y, x = np.mgrid[0:256, 0:341].astype(np.float32)
+    img = np.stack([128 + 100 * np.sin(x / 11), 128 + 90 * np.cos(y / 7), (x + 2 * y) % 256], 2).astype(np.uint8)
+    for bh, bw in [(180, 170), (100, 130), (60, 50), (224, 150)]:
+        src = img[5 : 5 + bh, 9 : 9 + bw]
+        ours, ref = _resized(src, 224, 224), _cv_linear(src, 224, 224)
+        assert np.abs(ours.astype(np.int16) - ref).max() <= 1
+        assert np.mean(ours != ref) < 0.2  # rounding ties (OpenCV's weights have 11 bits, ours 14)
+    for v in (0, 1, 128, 254, 255):
+        flat = np.full((33, 47, 3), v, np.uint8)
+        assert (_resized(flat, 224, 224, flip=True) == v).all()
+    src = np.random.default_rng(2).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(_resized(src, 37, 53), src)
+    np.testing.assert_array_equal(_resized(src, 37, 53, flip=True), src[:, ::-1])
+
+
+@pytest.mark.parametrize("c", [1, 3, 4])
+@pytest.mark.parametrize("ext", [True, False], ids=["extension", "opencv-fallback"])
+def test_resize_writes_only_dst(monkeypatch, c, ext):
+    if ext and not resize.available():
+        pytest.skip("fastload._resize not built")
+    if not ext:
+        monkeypatch.setattr(resize, "_ext", lambda: None)
+    rng = np.random.default_rng(c)
+    src = _crop_view(rng, 41, 57, c)
+    before = src.copy()
+    for oh, ow in [(224, 224), (23, 31), (41, 57), (1, 1), (90, 3), (7, 200), (30, 80)]:
+        n = oh * ow * c
+        buf = np.full(n + 64, 0xA5, np.uint8)
+        dst = buf[32 : 32 + n].reshape(oh, ow, c)
+        for flip in (False, True):
+            resize.resize(src, dst, flip=flip)
+            assert (buf[:32] == 0xA5).all() and (buf[32 + n :] == 0xA5).all()
+            ref = _cv_auto(src, oh, ow)
+            assert np.abs(dst.astype(np.int16) - (ref[:, ::-1] if flip else ref)).max() <= 1
+    np.testing.assert_array_equal(src, before)
+
+
+def test_resize_refuses_bad_arguments():
+    a = np.zeros((20, 30, 3), np.uint8)
+    with pytest.raises(ValueError, match="unknown filter 'cubic'"):
+        resize.resize(a, np.zeros((40, 40, 3), np.uint8), filter="cubic")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        resize.resize(a[:, ::2], np.zeros((40, 40, 3), np.uint8))
+    with pytest.raises(ValueError, match="overlap"):
+        resize.resize(a, a[10:])
+    if resize.available():
+        with pytest.raises(ValueError, match="channel"):
+            resize._ext().resize(a, np.zeros((40, 40, 4), np.uint8))
+        with pytest.raises(TypeError):
+            resize._ext().resize(a)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastload.transforms as T
-from fastload.data.resize import resize_area
+from fastload.data.resize import resize as resize_into
 from fastload.data.transforms import Plan, fixed_output_hw
 from fastload.image import center_crop
 
@@ -48,19 +48,32 @@ def test_random_resized_crop_falls_back_like_torchvision():
     assert t.get_params((100, 120), np.random.default_rng(0)) == (0, 0, 100, 120)
 
 
-def test_planned_pipeline_equals_doing_it_step_by_step(img):
-    t = T.Compose([T.RandomResizedCrop((40, 50)), T.RandomHorizontalFlip(p=1.0)])
-    out = t(img, rng=np.random.default_rng(3))
-    i, j, h, w = t.transforms[0].get_params(img.shape[:2], np.random.default_rng(3))
+def _opencv_per_axis(crop: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """The "auto" filter spelt out with OpenCV: INTER_AREA where an axis shrinks, INTER_LINEAR
+    where it grows, one call per axis when they differ."""
+    h, w = crop.shape[:2]
+    if oh <= h and ow <= w:
+        return cv2.resize(crop, (ow, oh), interpolation=cv2.INTER_AREA)
+    if oh < h:  # shrink height, then grow width
+        crop = cv2.resize(crop, (w, oh), interpolation=cv2.INTER_AREA)
+    elif ow < w:
+        crop = cv2.resize(crop, (ow, h), interpolation=cv2.INTER_AREA)
+    return cv2.resize(crop, (ow, oh), interpolation=cv2.INTER_LINEAR)
+
+
+@pytest.mark.parametrize("out_hw", [(40, 50), (80, 100)])  # mostly shrinking / mostly enlarging boxes
+@pytest.mark.parametrize("seed", range(8))
+def test_planned_pipeline_equals_doing_it_step_by_step(img, seed, out_hw):
+    oh, ow = out_hw
+    t = T.Compose([T.RandomResizedCrop(out_hw), T.RandomHorizontalFlip(p=1.0)])
+    out = t(img, rng=np.random.default_rng(seed))
+    i, j, h, w = t.transforms[0].get_params(img.shape[:2], np.random.default_rng(seed))
     crop = img[i : i + h, j : j + w]
-    interp = cv2.INTER_AREA if 40 * 50 < h * w else cv2.INTER_LINEAR
-    expected = cv2.resize(crop, (50, 40), interpolation=interp)[:, ::-1]
-    assert out.shape == (40, 50, 3) and out.dtype == np.uint8
-    if interp == cv2.INTER_AREA and h >= 40 and w >= 50:  # fastload's own area filter: within 1
-        assert np.abs(out.astype(int) - expected).max() <= 1
-        assert np.array_equal(out, resize_area(crop, np.empty((40, 50, 3), np.uint8))[:, ::-1])
-    else:
-        assert np.array_equal(out, expected)
+    assert out.shape == (oh, ow, 3) and out.dtype == np.uint8
+    # fastload's resize, flip included, exactly; OpenCV crop-resize-flip within 1
+    assert np.array_equal(out, resize_into(crop, np.empty((oh, ow, 3), np.uint8), flip=True))
+    expected = _opencv_per_axis(crop, oh, ow)[:, ::-1]
+    assert np.abs(out.astype(int) - expected).max() <= 1
 
 
 @pytest.mark.parametrize("channels", [1, 3, 4])
