@@ -370,3 +370,24 @@ def test_cuda_unpinned_and_pinned_inputs_and_state_passthrough():
     ((xo, yo),) = list(CUDAPrefetcher(pinned, "cuda", channels_last=False))
     assert torch.equal(xo.cpu(), normalize(pinned[0][0]))
     assert torch.equal(yo.cpu(), torch.arange(4))
+
+
+@pytest.mark.cuda
+def test_cuda_convert_returns_after_the_copy_from_a_registered_ring_slot():
+    """``convert`` is synchronous: a loader may refill its page-locked (cudaHostRegister'ed,
+    so not guarded by torch's host allocator) slot as soon as the call returns."""
+    import numpy as np
+
+    from fastload.data.loader import _pin
+
+    slot = _pin(np.empty((16, 3, 128, 128), dtype=np.uint8))
+    x = torch.from_numpy(slot)
+    assert x.is_pinned()  # registered memory counts as pinned: the copy below is truly async
+    x.copy_(_images(0, n=16, h=128, w=128))
+    want = normalize(x.cuda(), mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    p = CUDAPrefetcher([], "cuda", mean=IMAGENET_MEAN, std=IMAGENET_STD, channels_last=False)
+    p.convert(x)  # builds the constants (which synchronises once)
+    torch.cuda._sleep(50_000_000)  # the next copy queues behind ~25 ms of work
+    got = p.convert(x)
+    x.zero_()  # the loader reuses the slot at once
+    assert torch.equal(got, want)

@@ -201,8 +201,14 @@ class CUDAPrefetcher:
         return apply_scale_shift(t, scale, shift, dtype=self.dtype, channels_last=self.channels_last)
 
     def convert(self, batch: Any) -> Any:
-        """Synchronous conversion of one batch (what the prefetcher does ahead of time)."""
-        return _map_tensors(batch, self._convert)
+        """Synchronous conversion of one batch (what the prefetcher does ahead of time).
+
+        On CUDA it returns once the copies have run, so the caller may drop or refill the host
+        batch at once (a loader's page-locked ring slot is not protected by torch's allocator)."""
+        out = _map_tensors(batch, self._convert)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
     # -- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
