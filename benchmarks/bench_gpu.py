@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,8 @@ def make_step(model_name: str, num_classes: int, device: torch.device):
     from fastload.train.models import get_model
 
     model = get_model(model_name, num_classes=num_classes).to(device).to(memory_format=torch.channels_last)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: the usual recipe (fastload's Trainer does it too)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-5)
     cuda = device.type == "cuda"
     amp_dtype = torch.bfloat16 if not cuda or torch.cuda.is_bf16_supported() else torch.float16
@@ -128,6 +131,8 @@ def _sync(device: torch.device) -> None:
 
 def run_feeder(name: str, loader, step, device: torch.device, *, steps: int, warmup: int, copy_in_loop: bool):
     """Time ``steps`` training steps after ``warmup``; returns images/s and the data-wait fraction."""
+    print(f"{name}: {warmup} warm-up + {steps} timed steps ...", flush=True)
+    t_start = time.perf_counter()
     wait = total = 0.0
     images = done = 0
     epoch = 0
@@ -154,8 +159,12 @@ def run_feeder(name: str, loader, step, device: torch.device, *, steps: int, war
                 total += t2 - t0
                 images += len(y)
             done += 1
+            if done % 10 == 0:
+                print(f"  step {done}/{warmup + steps}", flush=True)
         del it
         epoch += 1
+    print(f"  {images / total:,.0f} images/s, data wait {100 * wait / total:.1f}% "
+          f"({time.perf_counter() - t_start:.0f} s)", flush=True)
     return {"feeder": name, "images_per_s": images / total, "wait_fraction": wait / total,
             "wait_ms": 1000 * wait / steps, "step_ms": 1000 * total / steps}
 
@@ -176,16 +185,25 @@ def resident_step_ms(step, device: torch.device, *, batch: int, crop: int, num_c
 
 
 def h2d_ms(batch: int, crop: int, device: torch.device, reps: int = 20) -> float:
-    """Time of one pinned uint8 batch's copy + conversion + normalisation, measured alone."""
-    from fastload.gpu.transforms import normalize
+    """Time of one pinned uint8 batch's copy + conversion + normalisation, measured alone.
 
+    The per-channel constants are built once, as CUDAPrefetcher does (``normalize`` would copy
+    them from pageable memory, a stream synchronisation, on every call)."""
+    from fastload.gpu.transforms import apply_scale_shift, scale_shift
+
+    scale, shift = (torch.tensor(v, dtype=torch.float32, device=device).view(3, 1, 1)
+                    for v in scale_shift(MEAN, STD, 3))
     x = torch.randint(0, 256, (batch, 3, crop, crop), dtype=torch.uint8).pin_memory()
+
+    def one() -> None:
+        apply_scale_shift(x.to(device, non_blocking=True), scale, shift, dtype=torch.float32, channels_last=True)
+
     for _ in range(3):
-        normalize(x.to(device, non_blocking=True), mean=MEAN, std=STD, channels_last=True)
+        one()
     torch.cuda.synchronize(device)
     t = time.perf_counter()
     for _ in range(reps):
-        normalize(x.to(device, non_blocking=True), mean=MEAN, std=STD, channels_last=True)
+        one()
     torch.cuda.synchronize(device)
     return 1000 * (time.perf_counter() - t) / reps
 
@@ -267,19 +285,28 @@ def _bench(args, device: torch.device, workers: int, work: Path) -> int:
         rows.append(run_feeder("(b) fastload + CUDAPrefetcher", loader, step, device,
                                steps=args.steps, warmup=args.warmup, copy_in_loop=False))
         del loader
+    notes = []
     if "c" in wanted:
+        name = "(c) fastload DALI (nvJPEG)" if cuda else "(c) fastload DALI (CPU)"
+        loader = None
         try:
             from fastload.loaders import make_loader
 
             loader = make_loader(packed, backend="dali", batch_size=args.batch_size, crop=args.crop, mean=MEAN,
                                  std=STD, device=device, num_workers=min(workers, 16))
-        except ImportError as exc:
-            print(f"(c) skipped: {exc}")
-        else:
-            rows.append(run_feeder("(c) fastload DALI (nvJPEG)" if cuda else "(c) fastload DALI (CPU)", loader, step,
-                                   device, steps=args.steps, warmup=args.warmup, copy_in_loop=False))
-            del loader
+            rows.append(run_feeder(name, loader, step, device, steps=args.steps, warmup=args.warmup,
+                                   copy_in_loop=False))
+        except ImportError as exc:  # DALI not installed: the message says what to pip install
+            print(f"(c) skipped: {exc}", flush=True)
+            notes.append(f"(c) not run: {exc}")
+        except Exception as exc:  # keep (a) and (b)'s figures: report DALI's failure and go on
+            traceback.print_exc()
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"(c) failed: {type(exc).__name__}: {first}", flush=True)
+            notes.append(f"(c) failed: {type(exc).__name__}: {first}")
+        del loader
 
+    print("(ref) the same step on a batch already on the device ...", flush=True)
     floor = resident_step_ms(step, device, batch=args.batch_size, crop=args.crop, num_classes=num_classes,
                              steps=args.steps, warmup=args.warmup)
     base = rows[0]["images_per_s"] if rows and rows[0]["feeder"].startswith("(a)") else None
@@ -301,6 +328,7 @@ def _bench(args, device: torch.device, workers: int, work: Path) -> int:
         extra = (f"\nH2D copy + uint8->float + normalise of one batch, measured alone: {copy:.2f} ms; "
                  f"(b)'s compute part is {exposed:.2f} ms longer than with resident data, "
                  f"so about {100 * hidden:.0f}% of the copy is hidden behind compute.")
+    extra += "".join(f"\n{n}" for n in notes)
     print(text + extra)
     if args.smoke:
         print("(smoke run on the CPU: figures are not recorded)" if not cuda else "(smoke run: not recorded)")
