@@ -311,13 +311,18 @@ class ImageFolder:
         uint8) and their labels into ``targets[j]``: no per-sample array survives. Pixels are
         the same as ``load(i, epoch=epoch)`` gives."""
         fast = self._fast
-        draws = BatchDraws(self.seed if seed is None else seed, epoch, indices) if fast is not None else None
-        for j, i in enumerate(indices.tolist() if isinstance(indices, np.ndarray) else indices):
-            i = int(i)
-            hw = self.stored_hw(i)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        draws = BatchDraws(self.seed if seed is None else seed, epoch, idx) if fast is not None else None
+        shapes = self._shapes[idx, :2].tolist()  # per batch, not per sample: numpy indexing costs
+        for j, (i, hw) in enumerate(zip(idx.tolist(), shapes)):
+            hw = (hw[0], hw[1])
             plan = fast.plan(hw, draws.sample(j)) if draws is not None else Plan.identity(hw)
             self._run_plan(i, plan, hw, dst=images[j])
-            targets[j] = self._target(i)
+        if self.target_transform is None:
+            targets[: len(idx)] = self._labels[idx]
+        else:
+            for j, i in enumerate(idx.tolist()):
+                targets[j] = self._target(i)
 
     # -- pickling -------------------------------------------------------------------------
 

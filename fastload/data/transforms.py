@@ -31,6 +31,7 @@ import cv2
 import numpy as np
 
 from .draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, SampleDraws, rrc_box, take
+from .resize import _ext as _resize_ext
 from .resize import resize as resize_into
 
 Rng = Union[np.random.Generator, SampleDraws]  # what transforms draw their random numbers from
@@ -157,6 +158,11 @@ class Plan:
             # fastload's resize (within 1 of OpenCV's area/bilinear, 2-6x faster), the flip
             # written in the same pass. "auto" picks the filter per axis.
             out = dst if dst is not None else np.empty((oh, ow, crop.shape[2]), np.uint8)
+            ext = _resize_ext()
+            if ext is not None:  # the C function checks the layouts itself: skip the wrapper's checks
+                # a batch slot (dst) is read later by the main process: streaming stores
+                ext.resize(crop, out, linear=interp == cv2.INTER_LINEAR, flip=self.flip, stream=dst is not None)
+                return out
             return resize_into(crop, out, filter="linear" if interp == cv2.INTER_LINEAR else "auto", flip=self.flip)
         if interp is None:
             interp = cv2.INTER_AREA if both_shrink else cv2.INTER_LINEAR
