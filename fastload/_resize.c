@@ -388,8 +388,7 @@ typedef struct {
     int H, W, oh, ow, C;
     int simd;
     int mode; /* taps_for's mode for both axes */
-    int flip;   /* mirror the output left-right */
-    int stream; /* write dst with streaming stores where the kernel can (it is read later) */
+    int flip; /* mirror the output left-right */
 } Job;
 
 
@@ -513,7 +512,7 @@ static inline int16_t mulhrs(int32_t a, int32_t b)
     return (int16_t)((a * b + (1 << 14)) >> 15);
 }
 
-static void lin_vrow_c(const int16_t *r0, const int16_t *r1, int16_t b, int n, uint8_t *out, int nt)
+static void lin_vrow_c(const int16_t *r0, const int16_t *r1, int16_t b, int n, uint8_t *out)
 {
     for (int i = 0; i < n; i++) {
         const int16_t v = (int16_t)(r0[i] + mulhrs((int16_t)(r1[i] - r0[i]), b));
@@ -543,12 +542,9 @@ __attribute__((target("avx2"))) static void lin_hrow_avx2(const uint8_t *src, co
 }
 
 __attribute__((target("avx2"))) static void lin_vrow_avx2(const int16_t *r0, const int16_t *r1, int16_t b, int n,
-                                                          uint8_t *out, int nt)
+                                                          uint8_t *out)
 {
     const __m256i bv = _mm256_set1_epi16(b), down = _mm256_set1_epi16(1 << (15 - TBITS));
-    /* A batch slot is written once and read later by another process, usually from memory:
-     * streaming stores skip reading each destination line first. Aligned rows only. */
-    const int stream = nt && ((uintptr_t)out & 31) == 0;
     int i = 0;
     for (; i + 32 <= n; i += 32) {
         const __m256i a0 = _mm256_loadu_si256((const __m256i *)(r0 + i)), a1 = _mm256_loadu_si256((const __m256i *)(r0 + i + 16));
@@ -558,14 +554,9 @@ __attribute__((target("avx2"))) static void lin_vrow_avx2(const int16_t *r0, con
         v0 = _mm256_mulhrs_epi16(v0, down);
         v1 = _mm256_mulhrs_epi16(v1, down);
         const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8);
-        if (stream)
-            _mm256_stream_si256((__m256i *)(out + i), p);
-        else
-            _mm256_storeu_si256((__m256i *)(out + i), p);
+        _mm256_storeu_si256((__m256i *)(out + i), p);
     }
-    lin_vrow_c(r0 + i, r1 + i, b, n - i, out + i, 0);
-    if (stream)
-        _mm_sfence();
+    lin_vrow_c(r0 + i, r1 + i, b, n - i, out + i);
 }
 #endif
 
@@ -584,7 +575,7 @@ static int run_linear(const Job *j, const Taps *ty, const Taps *tx)
     if (cache == NULL)
         goto done;
     void (*hrow)(const uint8_t *, const LinTab *, int16_t *) = lin_hrow_c;
-    void (*vrow)(const int16_t *, const int16_t *, int16_t, int, uint8_t *, int) = lin_vrow_c;
+    void (*vrow)(const int16_t *, const int16_t *, int16_t, int, uint8_t *) = lin_vrow_c;
 #if HAVE_AVX2_KERNELS
     if (j->simd && have_avx2()) {
         hrow = lin_hrow_avx2;
@@ -607,7 +598,7 @@ static int run_linear(const Job *j, const Taps *ty, const Taps *tx)
             }
             r[k] = slot[q];
         }
-        vrow(r[0], r[1], t.vb[y], n, j->dst + (size_t)y * n, j->stream);
+        vrow(r[0], r[1], t.vb[y], n, j->dst + (size_t)y * n);
     }
     status = 1;
 done:
@@ -728,16 +719,14 @@ PyDoc_STRVAR(resize_area_doc,
 "Raises ValueError for a wrong dtype, shape, layout or an enlarging size.");
 
 PyDoc_STRVAR(resize_doc,
-"resize(src, dst, linear=False, flip=False, stream=False, simd=True) -> None\n\n"
+"resize(src, dst, linear=False, flip=False, simd=True) -> None\n\n"
 "Resize src into dst (same layouts as resize_area), any sizes. linear=False: per axis, the\n"
 "area filter where that axis shrinks and bilinear where it grows or keeps its size;\n"
 "linear=True: bilinear on both axes, OpenCV's INTER_LINEAR (within 1 of it). flip=True\n"
-"writes the result mirrored left-right at no extra cost. stream=True: dst is read later, not\n"
-"now (a batch slot): write it with streaming stores where possible. Releases the GIL.");
+"writes the result mirrored left-right at no extra cost. Releases the GIL.");
 
 /* Shared by both entry points: parse, check, run without the GIL. */
-static PyObject *resize_impl(PyObject *srcobj, PyObject *dstobj, int simd, int mode, int flip, int stream,
-                             int shrink_only)
+static PyObject *resize_impl(PyObject *srcobj, PyObject *dstobj, int simd, int mode, int flip, int shrink_only)
 {
     Py_buffer s = {0}, d = {0};
     PyObject *result = NULL;
@@ -798,7 +787,7 @@ static PyObject *resize_impl(PyObject *srcobj, PyObject *dstobj, int simd, int m
         goto done;
     }
     Job job = {(const uint8_t *)s.buf, s.strides[0], (uint8_t *)d.buf, (int)H, (int)W, (int)oh, (int)ow, (int)C,
-               simd, mode, flip, stream};
+               simd, mode, flip};
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = run(&job);
@@ -822,18 +811,17 @@ static PyObject *resize_area(PyObject *self, PyObject *args, PyObject *kwargs)
     int simd = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|p:resize_area", kwlist, &srcobj, &dstobj, &simd))
         return NULL;
-    return resize_impl(srcobj, dstobj, simd, 0, 0, 0, 1);
+    return resize_impl(srcobj, dstobj, simd, 0, 0, 1);
 }
 
 static PyObject *resize(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"src", "dst", "linear", "flip", "stream", "simd", NULL};
+    static char *kwlist[] = {"src", "dst", "linear", "flip", "simd", NULL};
     PyObject *srcobj, *dstobj;
-    int linear = 0, flip = 0, stream = 0, simd = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|pppp:resize", kwlist, &srcobj, &dstobj, &linear, &flip, &stream,
-                                     &simd))
+    int linear = 0, flip = 0, simd = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|ppp:resize", kwlist, &srcobj, &dstobj, &linear, &flip, &simd))
         return NULL;
-    return resize_impl(srcobj, dstobj, simd, linear ? 1 : 0, flip, stream, 0);
+    return resize_impl(srcobj, dstobj, simd, linear ? 1 : 0, flip, 0);
 }
 
 static PyObject *simd_kernels(PyObject *self, PyObject *noargs)

@@ -160,8 +160,7 @@ class Plan:
             out = dst if dst is not None else np.empty((oh, ow, crop.shape[2]), np.uint8)
             ext = _resize_ext()
             if ext is not None:  # the C function checks the layouts itself: skip the wrapper's checks
-                # a batch slot (dst) is read later by the main process: streaming stores
-                ext.resize(crop, out, linear=interp == cv2.INTER_LINEAR, flip=self.flip, stream=dst is not None)
+                ext.resize(crop, out, linear=interp == cv2.INTER_LINEAR, flip=self.flip)
                 return out
             return resize_into(crop, out, filter="linear" if interp == cv2.INTER_LINEAR else "auto", flip=self.flip)
         if interp is None:
