@@ -134,7 +134,7 @@ static PyObject *raise_jpeg(PyObject *type, const char *message)
 }
 
 PyDoc_STRVAR(decode_crop_doc,
-"decode_crop(data, top=0, left=0, height=-1, width=-1, scale_denom=1, out=None)\n"
+"decode_crop(data, top=0, left=0, height=-1, width=-1, scale_denom=1, out=None, fast=False)\n"
 "-> (buffer, height, width, row_stride, offset)\n\n"
 "Decode the box rows top..top+height, columns left..left+width of a JPEG scaled by\n"
 "1/scale_denom (1, 2, 4 or 8; the scaled image is ceil(H/d) x ceil(W/d), as libjpeg\n"
@@ -143,20 +143,21 @@ PyDoc_STRVAR(decode_crop_doc,
 "writable buffer; ValueError names the bytes needed if it is too small) or a new bytearray,\n"
 "region-wide: pixel (y, x, c) of the box is at offset + y*row_stride + x*3 + c. Returns the\n"
 "buffer, the box size, row_stride and offset. height*(max(width+2, 16)+32)*3 bytes always suffice.\n"
+"fast=True: fast integer IDCT and merged (non-smoothed) chroma upsampling.\n"
 "Raises JpegError for corrupt data and Unsupported for CMYK/YCCK JPEGs.");
 
 static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"data", "top", "left", "height", "width", "scale_denom", "out", NULL};
+    static char *kwlist[] = {"data", "top", "left", "height", "width", "scale_denom", "out", "fast", NULL};
     Py_buffer in = {0}, outview = {0};
     long top = 0, left = 0, height = -1, width = -1;
-    int denom = 1;
+    int denom = 1, fast = 0;
     PyObject *out = Py_None, *result = NULL, *target = NULL;
     Job *job = NULL;
     int created = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|lllliO:decode_crop", kwlist, &in, &top, &left, &height,
-                                     &width, &denom, &out))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|lllliOp:decode_crop", kwlist, &in, &top, &left, &height,
+                                     &width, &denom, &out, &fast))
         return NULL;
     if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
         PyErr_Format(PyExc_ValueError, "scale_denom must be 1, 2, 4 or 8, got %d", denom);
@@ -198,8 +199,10 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
     cinfo->out_color_space = JCS_RGB;
     cinfo->scale_num = 1;
     cinfo->scale_denom = (unsigned int)denom;
-    cinfo->dct_method = JDCT_ISLOW;
-    cinfo->do_fancy_upsampling = TRUE;
+    /* fast: libjpeg-turbo's fast integer IDCT (FFCV's TJFLAG_FASTDCT) and merged chroma
+     * upsampling (TJFLAG_FASTUPSAMPLE): ~10% less decode time, slightly different pixels. */
+    cinfo->dct_method = fast ? JDCT_IFAST : JDCT_ISLOW;
+    cinfo->do_fancy_upsampling = fast ? FALSE : TRUE;
     jpeg_calc_output_dimensions(cinfo);
     if (cinfo->output_components != 3) {
         PyErr_Format(Unsupported, "libjpeg gives %d output components for RGB", cinfo->output_components);

@@ -80,6 +80,30 @@ def test_full_decode_equals_simplejpeg(key, reduce):
     assert simplejpeg.decode_jpeg_header(buf)[:2] == jpegcrop.header(buf)
 
 
+@settings(max_examples=100, deadline=None)
+@given(key=st.sampled_from(sorted(_JPEGS)), reduce=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_fast_crop_equals_fast_full_decode_cropped(key, reduce, data):
+    """fast=True (fast IDCT, merged upsampling): a box is still exactly that box of a full
+    decode with the same settings."""
+    buf = _JPEGS[key]
+    full = jpegcrop.decode(buf, reduce=reduce, fast=True)
+    H, W = full.shape[:2]
+    t, l = data.draw(st.integers(0, H - 1)), data.draw(st.integers(0, W - 1))
+    h, w = data.draw(st.integers(1, H - t)), data.draw(st.integers(1, W - l))
+    np.testing.assert_array_equal(jpegcrop.decode_crop(buf, (t, l, h, w), reduce=reduce, fast=True),
+                                  full[t : t + h, l : l + w])
+
+
+@pytest.mark.parametrize("key", sorted(_JPEGS))
+def test_fast_decode_is_close_to_accurate_and_matches_simplejpeg_fast(key):
+    buf = _JPEGS[key]
+    fast, accurate = jpegcrop.decode(buf, fast=True), jpegcrop.decode(buf)
+    diff = np.abs(fast.astype(int) - accurate.astype(int))
+    assert 0 < diff.mean() < 8  # a different decode (this test image is all sharp colour), not a different image
+    np.testing.assert_array_equal(jpeg.decode(buf, backend="simplejpeg", fast=True), fast)
+    np.testing.assert_array_equal(jpeg.decode(buf, backend="turbo-crop", fast=True), fast)
+
+
 def test_decode_into_out_buffer_and_its_size_check():
     buf = _JPEGS[("420", False)]
     out = np.zeros(jpegcrop.out_bytes(50, 60), np.uint8)
@@ -200,6 +224,27 @@ def test_batch_equals_simplejpeg_batch(jpeg_pack):
     assert np.abs(imgs[0].astype(int) - imgs[1].astype(int)).mean() < 0.5
     for i in (0, 7, 17):  # the per-sample path gives the batch's pixels
         np.testing.assert_array_equal(a.load(i, epoch=2), imgs[0][i])
+
+
+def test_fast_decode_dataset(jpeg_pack):
+    """ImageFolder(fast_decode=True): the batch path decodes with the fast settings (equal to
+    the plan run on a fast full decode), close to the accurate batch but not equal to it."""
+    fast = ImageFolder(jpeg_pack, AUG, fast_decode=True)
+    slow = ImageFolder(jpeg_pack, AUG)
+    assert fast.decoder == "turbo-crop" and fast.fast_decode and not slow.fast_decode
+    idx = np.arange(len(fast))
+    imgs = [np.zeros((len(fast), 96, 96, 3), np.uint8) for _ in range(2)]
+    tg = np.zeros(len(fast), np.int64)
+    fast.fill_batch(idx, imgs[0], tg, epoch=1)
+    slow.fill_batch(idx, imgs[1], tg, epoch=1)
+    diff = np.abs(imgs[0].astype(int) - imgs[1].astype(int))
+    assert 0 < diff.mean() < 3
+    for i in (0, 9):
+        hw = fast.stored_hw(i)
+        plan = fast._fast.plan(hw, fast._rng(1, i))
+        full = jpegcrop.decode(fast.reader.get(i), reduce=plan.reduce_for(hw), fast=True)
+        np.testing.assert_array_equal(plan.execute(full, hw), imgs[0][i])
+    assert pickle.loads(pickle.dumps(fast)).fast_decode
 
 
 @pytest.mark.parametrize("t", [

@@ -77,13 +77,15 @@ def out_bytes(height: int, width: int) -> int:
 
 
 def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: int = 1,
-                out: np.ndarray | None = None) -> np.ndarray:
+                out: np.ndarray | None = None, fast: bool = False) -> np.ndarray:
     """The box ``(top, left, height, width)`` (in pixels of the 1/``reduce`` scaled image) of
     a JPEG, as an HWC uint8 RGB array; ``None`` decodes the whole image.
 
     ``out``: a C-contiguous uint8 array of at least :func:`out_bytes` to decode into (the
     result is then a view of it, with a row stride wider than the box); else new memory.
     The box must lie inside the scaled image (:func:`scaled_hw`), else ``ValueError``.
+    ``fast``: the fast integer IDCT and merged chroma upsampling (~10% faster; the box still
+    equals the same box of a full decode with the same settings).
     """
     require()
     ext = _ext()
@@ -92,7 +94,7 @@ def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: in
     data = as_u8(buf)
     t, l, h, w = (0, 0, -1, -1) if box is None else (int(v) for v in box)
     try:
-        target, h, w, stride, offset = ext.decode_crop(data, t, l, h, w, reduce, out)
+        target, h, w, stride, offset = ext.decode_crop(data, t, l, h, w, reduce, out, fast)
     except ext.Unsupported:
         img = _fallback(data, reduce)
         if box is None:
@@ -112,9 +114,9 @@ def _fallback(data: np.ndarray, reduce: int) -> np.ndarray:
     return imdecode_rgb(data, reduce=reduce)
 
 
-def decode(buf, reduce: int = 1) -> np.ndarray:
+def decode(buf, reduce: int = 1, fast: bool = False) -> np.ndarray:
     """The whole image (a JPEG backend like the others in :mod:`fastload.codecs.jpeg`)."""
-    return decode_crop(buf, None, reduce=reduce)
+    return decode_crop(buf, None, reduce=reduce, fast=fast)
 
 
 _local = threading.local()
