@@ -1,4 +1,4 @@
-"""Area downscale: cv2 INTER_AREA vs cv2 INTER_LINEAR vs fastload's resize_area, same run.
+"""Resize: cv2 INTER_AREA / INTER_LINEAR vs fastload's resize_area and resize, same run.
 
     python benchmarks/bench_resize.py --boxes 300 --rounds 7
 
@@ -56,6 +56,22 @@ def photo(h: int, w: int) -> np.ndarray:
     return np.clip(img + noise, 0, 255).astype(np.uint8)
 
 
+def time_methods(methods: dict, crops: list, rounds: int) -> dict[str, list[float]]:
+    """Microseconds per image of each method over ``crops``, per round (methods alternate)."""
+    for f in methods.values():  # warm-up
+        for c in crops:
+            f(c)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(rounds):
+        for name, f in methods.items():
+            t0 = time.perf_counter()
+            for c in crops:
+                f(c)
+            times[name].append((time.perf_counter() - t0) / len(crops) * 1e6)
+        print(f"round {r + 1}: " + ", ".join(f"{n.strip()} {t[-1]:.0f}" for n, t in times.items()) + " us/img", flush=True)
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--boxes", type=int, default=300, help="shrinking boxes per source image (default 300)")
@@ -67,7 +83,7 @@ def main(argv=None) -> int:
 
     cv2.setNumThreads(1)
     rng = np.random.default_rng(0)
-    crops, notes = [], []
+    crops, grow, notes = [], [], []
     for h, w in [(256, 256), (256, 341)]:
         img = photo(h, w)
         drawn = rrc_boxes(h, w, 40 * args.boxes, rng)
@@ -76,6 +92,9 @@ def main(argv=None) -> int:
         notes.append(f"{h}x{w}: {len(shrink) / len(drawn):.1%} of boxes shrink on both axes, "
                      f"{mixed / len(drawn):.1%} shrink in area but enlarge one axis (not timed)")
         crops += [img[t : t + bh, l : l + bw] for t, l, bh, bw in shrink[: args.boxes]]
+        growing = [b for b in drawn if b[2] < OUT or b[3] < OUT]
+        notes.append(f"{h}x{w}: {len(growing) / len(drawn):.1%} of boxes grow on at least one axis")
+        grow += [img[t : t + bh, l : l + bw] for t, l, bh, bw in growing[: 3 * args.boxes]]
     dst = np.empty((OUT, OUT, 3), np.uint8)
 
     methods = {
@@ -97,18 +116,7 @@ def main(argv=None) -> int:
         d = np.abs(out.astype(np.int16) - ref)
         worst, differ = max(worst, int(d.max())), differ + int(np.count_nonzero(d))
 
-    for f in methods.values():  # warm-up
-        for c in crops:
-            f(c)
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for r in range(args.rounds):
-        for name, f in methods.items():
-            t0 = time.perf_counter()
-            for c in crops:
-                f(c)
-            times[name].append((time.perf_counter() - t0) / len(crops) * 1e6)
-        print(f"round {r + 1}: " + ", ".join(f"{n.strip()} {t[-1]:.0f}" for n, t in times.items()) + " us/img", flush=True)
-
+    times = time_methods(methods, crops, args.rounds)
     area = statistics.median(times["cv2 INTER_AREA"])
     rows = [[name, f"{min(t):.0f}", f"{statistics.median(t):.0f}", f"{area / statistics.median(t):.2f}x"]
             for name, t in times.items()]
@@ -123,11 +131,42 @@ def main(argv=None) -> int:
         + table(["method", "best us/img", "median us/img", "speed vs INTER_AREA (median)"], rows)
         + f"\n\nresize_area vs INTER_AREA: max abs difference {worst}, "
         f"{differ / (len(crops) * OUT * OUT * 3):.3%} of values differ (rounding ties).\n"
+        + grow_section(grow, args.rounds, resize)
     )
     print(body)
     if not args.no_write:
         write_section("bench_resize", body)
     return 0
+
+
+def grow_section(grow: list, rounds: int, resize) -> str:
+    """Boxes that grow on an axis (most RandomResizedCrop samples), resized and mirrored: what
+    fastload did with OpenCV (INTER_LINEAR, or INTER_AREA when the area shrinks, then cv2.flip)
+    against fastload's resize (per-axis area/bilinear, the flip in the same pass)."""
+    dst = np.empty((OUT, OUT, 3), np.uint8)
+
+    def opencv(c):
+        interp = cv2.INTER_AREA if c.shape[0] * c.shape[1] > OUT * OUT else cv2.INTER_LINEAR
+        cv2.flip(cv2.resize(c, (OUT, OUT), dst=dst, interpolation=interp), 1, dst=dst)
+
+    enlarge = [c for c in grow if c.shape[0] <= OUT and c.shape[1] <= OUT]
+    mixed = [c for c in grow if c.shape[0] > OUT or c.shape[1] > OUT]
+    rows = []
+    for label, crops in [("grow on both axes", enlarge), ("shrink one axis, grow the other", mixed)]:
+        methods = {"OpenCV resize + flip": opencv, "fastload resize(flip=True)": lambda c: resize.resize(c, dst, flip=True)}
+        times = time_methods(methods, crops, rounds)
+        base = statistics.median(times["OpenCV resize + flip"])
+        rows += [[label, f"{len(crops)}", name, f"{statistics.median(t):.0f}", f"{base / statistics.median(t):.2f}x"]
+                 for name, t in times.items()]
+    worst = 0
+    for c in enlarge:
+        ref = cv2.resize(c, (OUT, OUT), interpolation=cv2.INTER_LINEAR)[:, ::-1]
+        worst = max(worst, int(np.abs(resize.resize(c, np.empty_like(ref), flip=True).astype(np.int16) - ref).max()))
+    return (
+        "\n\nBoxes that grow on an axis, resized to 224x224 and mirrored:\n\n"
+        + table(["boxes", "count", "method", "median us/img", "speed vs OpenCV"], rows)
+        + f"\n\nfastload's bilinear vs INTER_LINEAR + flip on the growing boxes: max abs difference {worst}.\n"
+    )
 
 
 if __name__ == "__main__":
