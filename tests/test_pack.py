@@ -226,7 +226,7 @@ def test_workers_do_not_change_output(tmp_path):
         outs = []
         for w in (1, 2):
             dest = tmp_path / f"{backend}-{w}"
-            s = pack(src, dest, config=PackConfig(backend=backend, workers=w, shard_size=8_000))
+            s = pack(src, dest, config=PackConfig(backend=backend, workers=w, shard_size=6_000))
             assert s.skipped == 1 and s.packed == 30 and s.shards > 2
             outs.append(tree_bytes(dest))
         assert outs[0] == outs[1], backend
@@ -336,7 +336,7 @@ def test_resume_from_journal_equals_uninterrupted(tmp_path):
     """Simulate a run that died after two shards: cut the finished pack back to its journal state."""
     src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
     (src / "c0" / "img004.jpg").write_bytes(b"bad")
-    cfg = PackConfig(backend="lmdb", workers=1, shard_size=5_000)
+    cfg = PackConfig(backend="lmdb", workers=1, shard_size=3_500)
     clean = tmp_path / "clean"
     pack(src, clean, config=cfg)
     expected = tree_bytes(clean)
@@ -349,7 +349,7 @@ def test_resume_from_journal_equals_uninterrupted(tmp_path):
     with pytest.raises(FormatError):
         open_pack(dest)
     (dest / "shard-00002.lmdb.tmp").write_bytes(b"stale half-written shard")
-    s = pack(src, dest, config=PackConfig(backend="lmdb", workers=2, shard_size=5_000))
+    s = pack(src, dest, config=PackConfig(backend="lmdb", workers=2, shard_size=3_500))
     assert s.resumed_from == journal["ends"][-1] > 0
     assert tree_bytes(dest) == expected
 
@@ -390,7 +390,7 @@ def test_resume_after_options_change_restarts(tmp_path):
 
 def test_resume_drops_a_damaged_finished_shard(tmp_path):
     src = make_jpeg_tree(tmp_path / "src", classes=1, per_class=12)
-    cfg = PackConfig(backend="hdf5", workers=1, shard_size=3_000)
+    cfg = PackConfig(backend="hdf5", workers=1, shard_size=2_000)
     pack(src, tmp_path / "clean", config=cfg)
     expected = tree_bytes(tmp_path / "clean")
     dest = tmp_path / "dest"
