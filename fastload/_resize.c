@@ -392,32 +392,35 @@ typedef struct {
 } Job;
 
 
-/* ---- bilinear on both axes: horizontal first, from bytes, with cached rows ----
+/* ---- horizontal first, from bytes, with cached rows ----
  *
  * RandomResizedCrop enlarges most boxes (82% of 256x341 JPEG samples, 85% of raw 256x256
- * ones), so this is the hot path. The generic passes above spend most of their time in the
- * horizontal pass's per-pixel loads. Here each output row value k (channel k % C of pixel
- * k / C) is L * wl + R * wr of two source bytes; the horizontal tap table is the same for every
- * row, so it is turned once into, per group of 4 values, a 16-byte source window and a byte
- * shuffle that zero-extends the 4 (L, R) pairs into int16: one vpshufb and one vpmaddwd give 4
- * values per 128-bit lane, whatever C is (and a flip is just another table). The result row,
- * int16 with TBITS fractional bits, is computed once per source row and kept for the next
- * output row (an enlarging axis reads each source row about twice). The vertical pass is then
- * r0 + (r1 - r0) * b as a rounding multiply (vpmulhrsw) on whole rows.
+ * ones) and shrinks the rest by less than 2x, so this is the hot path. The generic passes
+ * above spend most of their time in the horizontal pass's per-pixel loads. Here each output
+ * row value k (channel k % C of pixel k / C) is a weighted sum of at most 4 source bytes; the
+ * horizontal tap table is the same for every row, so it is turned once into, per group of 4
+ * values, a 16-byte source window and, per pair of taps, a byte shuffle that zero-extends the
+ * 4 values' byte pairs into int16: one vpshufb and one vpmaddwd per tap pair give 4 values per
+ * 128-bit lane, whatever C is (and a flip is just another table). The result row, int16 with
+ * TBITS fractional bits, is computed once per source row and cached while output rows still
+ * need it (an enlarging axis reads each source row about twice). The vertical pass is then
+ * r0 + (r1 - r0) * b on whole cached rows, as a rounding multiply (vpmulhrsw).
  *
- * Used when both axes are bilinear, the source row holds at least 16 bytes and every group's
- * bytes fit in 16 (a shrink of up to ~2.5x per axis); the generic passes do the rest. The
- * portable kernels below give bit-identical results.
+ * Used when the vertical axis is bilinear, the horizontal taps are at most 4 per pixel (area
+ * up to ~1.5x shrink, bilinear any), the source row holds at least 16 bytes and every group's
+ * bytes fit in 16; the generic passes do the rest. The portable kernels below give
+ * bit-identical results.
  */
 typedef struct {
-    int32_t *base;  /* per group: window start, in bytes from the row start */
-    uint8_t *mask;  /* per group: 16 shuffle bytes */
-    int16_t *wt;    /* per group: 4 (wl, wr) pairs */
-    int16_t *vb;    /* per output row: Q15 weight of the second source row */
-    int groups;     /* ceil(ow * C / 4), rounded up to a multiple of 4 */
-} LinTab;
+    int32_t *base; /* per group: window start, in bytes from the row start */
+    uint8_t *mask; /* per block of 4 groups and tap pair: 4 x 16 shuffle bytes, groups 0 2 1 3 */
+    int16_t *wt;   /* the same layout: 4 x 8 int16, a (w, w') pair per value */
+    int16_t *vb;   /* bilinear rows: per output row, Q15 weight of the second source row */
+    int groups;    /* ceil(ow * C / 4), rounded up to a multiple of 4 */
+    int kp2;       /* horizontal tap pairs: 1 or 2 */
+} HTab;
 
-static void lintab_free(LinTab *t)
+static void htab_free(HTab *t)
 {
     PyMem_RawFree(t->base);
     PyMem_RawFree(t->mask);
@@ -429,12 +432,18 @@ static void lintab_free(LinTab *t)
     t->vb = NULL;
 }
 
-/* Returns 1 when built, 0 when some group does not fit a 16-byte window (or the row is under
- * 16 bytes), -1 when out of memory. */
-static int lintab_build(LinTab *t, const Taps *tx, const Taps *ty, int W, int ow, int oh, int C)
+/* Position of group g's entry for tap pair q in the mask / weight tables. */
+static inline size_t htab_entry(int g, int q, int kp2)
+{
+    static const int order[4] = {0, 2, 1, 3};
+    return ((size_t)(g >> 2) * kp2 + q) * 4 + order[g & 3];
+}
+
+/* Returns 1 when built, 0 when this path does not apply, -1 when out of memory. */
+static int htab_build(HTab *t, const Taps *tx, const Taps *ty, int W, int ow, int oh, int C)
 {
     const int64_t rowlen = (int64_t)W * C, nval = (int64_t)ow * C;
-    if (rowlen < 16)
+    if (rowlen < 16 || tx->kp > 4)
         return 0;
     /* Whether the path applies must not depend on flip (a mirrored result must be the exact
      * mirror), so check every run of adjacent pixels a group can hold, whichever way round. */
@@ -449,60 +458,67 @@ static int lintab_build(LinTab *t, const Taps *tx, const Taps *ty, int W, int ow
         if (hi - lo >= 16)
             return 0;
     }
+    t->kp2 = tx->kp / 2;
     t->groups = (int)(((nval + 3) / 4 + 3) & ~(int64_t)3);
     t->base = PyMem_RawCalloc((size_t)t->groups, sizeof(int32_t));
-    t->mask = PyMem_RawMalloc((size_t)t->groups * 16);
-    t->wt = PyMem_RawCalloc((size_t)t->groups * 8, sizeof(int16_t));
+    t->mask = PyMem_RawMalloc((size_t)t->groups * t->kp2 * 16);
+    t->wt = PyMem_RawCalloc((size_t)t->groups * t->kp2 * 8, sizeof(int16_t));
     t->vb = PyMem_RawMalloc((size_t)oh * sizeof(int16_t));
     if (t->base == NULL || t->mask == NULL || t->wt == NULL || t->vb == NULL)
         return -1;
-    memset(t->mask, 0x80, (size_t)t->groups * 16); /* unused lanes read zero */
-    /* Groups are stored in the order the AVX2 kernel loads them, (g, g+2) then (g+1, g+3) per
-     * block of 4, so each register is one 32-byte load. */
-    int64_t x = 0, c = 0; /* pixel and channel of value k, kept incrementally */
+    memset(t->mask, 0x80, (size_t)t->groups * t->kp2 * 16); /* unused lanes read zero */
+    int64_t x = 0, c = 0;                                   /* pixel and channel of value k */
     for (int g = 0; g * 4 < nval; g++) {
-        int64_t lo = INT64_MAX, hi = -1, loff[4], roff[4], px[4];
+        int64_t lo = INT64_MAX, hi = -1, px[4], ch[4];
         const int n = nval - g * 4 < 4 ? (int)(nval - g * 4) : 4;
         for (int i = 0; i < n; i++) {
             px[i] = x;
-            loff[i] = (int64_t)tx->start[x] * C + c;
-            roff[i] = tx->count[x] == 2 ? loff[i] + C : loff[i];
-            lo = loff[i] < lo ? loff[i] : lo;
-            hi = roff[i] > hi ? roff[i] : hi;
+            ch[i] = c;
+            const int64_t a = (int64_t)tx->start[x] * C + c, b = a + (int64_t)(tx->count[x] - 1) * C;
+            lo = a < lo ? a : lo;
+            hi = b > hi ? b : hi;
             if (++c == C) {
                 c = 0;
                 x++;
             }
         }
-        if (hi - lo >= 16)
+        if (hi - lo >= 16) /* cannot happen after the check above; kept as a guard */
             return 0;
         const int64_t b = lo + 16 <= rowlen ? lo : rowlen - 16; /* never read past the row */
         t->base[g] = (int32_t)b;
-        const int slot = (g & ~3) + ((g & 3) == 1 ? 2 : (g & 3) == 2 ? 1 : (g & 3)); /* 0 2 1 3 */
         for (int i = 0; i < n; i++) {
-            t->mask[slot * 16 + 4 * i] = (uint8_t)(loff[i] - b);
-            t->mask[slot * 16 + 4 * i + 2] = (uint8_t)(roff[i] - b);
-            t->wt[slot * 8 + 2 * i] = tx->w[px[i] * 2];
-            t->wt[slot * 8 + 2 * i + 1] = tx->count[px[i]] == 2 ? tx->w[px[i] * 2 + 1] : 0;
+            const int64_t xi = px[i], first = (int64_t)tx->start[xi] * C + ch[i] - b;
+            for (int k = 0; k < tx->count[xi]; k++) {
+                const size_t e = htab_entry(g, k >> 1, t->kp2);
+                t->mask[e * 16 + 4 * i + 2 * (k & 1)] = (uint8_t)(first + (int64_t)k * C);
+                t->wt[e * 8 + 2 * i + (k & 1)] = tx->w[xi * tx->kp + k];
+            }
         }
     }
-    for (int y = 0; y < oh; y++) /* WBITS -> Q15; below 1 << 15 since a < 1 */
-        t->vb[y] = ty->count[y] == 2 ? (int16_t)(ty->w[y * 2 + 1] << (15 - WBITS)) : 0;
+    if (ty->linear)
+        for (int y = 0; y < oh; y++) /* WBITS -> Q15; below 1 << 15 since a < 1 */
+            t->vb[y] = ty->count[y] == 2 ? (int16_t)(ty->w[y * 2 + 1] << (15 - WBITS)) : 0;
     return 1;
 }
 
-#define LROUND (1 << (WBITS - TBITS - 1))
+#define HROUND (1 << (WBITS - TBITS - 1))
 
-static void lin_hrow_c(const uint8_t *src, const LinTab *t, int16_t *out)
+static void hf_hrow_c(const uint8_t *src, const HTab *t, int16_t *out)
 {
     for (int g = 0; g < t->groups; g++) {
-        const int slot = (g & ~3) + ((g & 3) == 1 ? 2 : (g & 3) == 2 ? 1 : (g & 3));
-        const uint8_t *win = src + t->base[g], *m = t->mask + slot * 16;
-        const int16_t *w = t->wt + slot * 8;
-        for (int i = 0; i < 4; i++) {
-            const int32_t l = m[4 * i] & 0x80 ? 0 : win[m[4 * i]], r = m[4 * i + 2] & 0x80 ? 0 : win[m[4 * i + 2]];
-            out[g * 4 + i] = (int16_t)((l * w[2 * i] + r * w[2 * i + 1] + LROUND) >> (WBITS - TBITS));
+        const uint8_t *win = src + t->base[g];
+        int32_t acc[4] = {HROUND, HROUND, HROUND, HROUND};
+        for (int q = 0; q < t->kp2; q++) {
+            const size_t e = htab_entry(g, q, t->kp2);
+            const uint8_t *m = t->mask + e * 16;
+            const int16_t *w = t->wt + e * 8;
+            for (int i = 0; i < 4; i++) {
+                const int32_t a = m[4 * i] & 0x80 ? 0 : win[m[4 * i]], b = m[4 * i + 2] & 0x80 ? 0 : win[m[4 * i + 2]];
+                acc[i] += a * w[2 * i] + b * w[2 * i + 1];
+            }
         }
+        for (int i = 0; i < 4; i++)
+            out[g * 4 + i] = (int16_t)(acc[i] >> (WBITS - TBITS));
     }
 }
 
@@ -512,8 +528,10 @@ static inline int16_t mulhrs(int32_t a, int32_t b)
     return (int16_t)((a * b + (1 << 14)) >> 15);
 }
 
-static void lin_vrow_c(const int16_t *r0, const int16_t *r1, int16_t b, int n, uint8_t *out)
+static void hf_vrow2_c(const int16_t *const *r, const int16_t *w, int16_t b, int n, uint8_t *out)
 {
+    (void)w;
+    const int16_t *r0 = r[0], *r1 = r[1];
     for (int i = 0; i < n; i++) {
         const int16_t v = (int16_t)(r0[i] + mulhrs((int16_t)(r1[i] - r0[i]), b));
         out[i] = clamp_u8(mulhrs(v, 1 << (15 - TBITS)));
@@ -522,28 +540,49 @@ static void lin_vrow_c(const int16_t *r0, const int16_t *r1, int16_t b, int n, u
 
 #if HAVE_AVX2_KERNELS
 /* 16 values per iteration: windows of groups (g, g+2) in one register and (g+1, g+3) in the
- * other, so vpackssdw's per-lane packing puts them back in order (the tables are stored so). */
-__attribute__((target("avx2"))) static void lin_hrow_avx2(const uint8_t *src, const LinTab *t, int16_t *out)
+ * other, so vpackssdw's per-lane packing puts them back in order (the tables are stored so).
+ * KP2 is a compile-time tap-pair count. */
+static inline __attribute__((always_inline, target("avx2"))) void
+hf_hrow_avx2_impl(const uint8_t *src, const HTab *t, int16_t *out, const int KP2)
 {
-    const __m256i round = _mm256_set1_epi32(LROUND);
+    const __m256i round = _mm256_set1_epi32(HROUND);
     const __m256i *mask = (const __m256i *)t->mask, *wt = (const __m256i *)t->wt;
     const int32_t *base = t->base;
     for (int g = 0; g < t->groups; g += 4) {
-        __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + base[g]))),
-                                            _mm_loadu_si128((const __m128i *)(src + base[g + 2])), 1);
-        __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + base[g + 1]))),
-                                            _mm_loadu_si128((const __m128i *)(src + base[g + 3])), 1);
-        const __m256i ma = _mm256_loadu_si256(mask + g / 2), mb = _mm256_loadu_si256(mask + g / 2 + 1);
-        const __m256i wa = _mm256_loadu_si256(wt + g / 2), wb = _mm256_loadu_si256(wt + g / 2 + 1);
-        a = _mm256_srai_epi32(_mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(a, ma), wa), round), WBITS - TBITS);
-        b = _mm256_srai_epi32(_mm256_add_epi32(_mm256_madd_epi16(_mm256_shuffle_epi8(b, mb), wb), round), WBITS - TBITS);
-        _mm256_storeu_si256((__m256i *)(out + g * 4), _mm256_packs_epi32(a, b));
+        const __m256i a = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + base[g]))),
+            _mm_loadu_si128((const __m128i *)(src + base[g + 2])), 1);
+        const __m256i b = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + base[g + 1]))),
+            _mm_loadu_si128((const __m128i *)(src + base[g + 3])), 1);
+        __m256i sa = round, sb = round;
+        for (int q = 0; q < KP2; q++) {
+            const size_t e = ((size_t)(g >> 2) * KP2 + q) * 2; /* in 32-byte units */
+            sa = _mm256_add_epi32(sa, _mm256_madd_epi16(_mm256_shuffle_epi8(a, _mm256_loadu_si256(mask + e)),
+                                                        _mm256_loadu_si256(wt + e)));
+            sb = _mm256_add_epi32(sb, _mm256_madd_epi16(_mm256_shuffle_epi8(b, _mm256_loadu_si256(mask + e + 1)),
+                                                        _mm256_loadu_si256(wt + e + 1)));
+        }
+        sa = _mm256_srai_epi32(sa, WBITS - TBITS);
+        sb = _mm256_srai_epi32(sb, WBITS - TBITS);
+        _mm256_storeu_si256((__m256i *)(out + g * 4), _mm256_packs_epi32(sa, sb));
     }
 }
 
-__attribute__((target("avx2"))) static void lin_vrow_avx2(const int16_t *r0, const int16_t *r1, int16_t b, int n,
+__attribute__((target("avx2"))) static void hf_hrow_avx2_1(const uint8_t *src, const HTab *t, int16_t *out)
+{
+    hf_hrow_avx2_impl(src, t, out, 1);
+}
+
+__attribute__((target("avx2"))) static void hf_hrow_avx2_2(const uint8_t *src, const HTab *t, int16_t *out)
+{
+    hf_hrow_avx2_impl(src, t, out, 2);
+}
+
+__attribute__((target("avx2"))) static void hf_vrow2_avx2(const int16_t *const *r, const int16_t *w, int16_t b, int n,
                                                           uint8_t *out)
 {
+    const int16_t *r0 = r[0], *r1 = r[1];
     const __m256i bv = _mm256_set1_epi16(b), down = _mm256_set1_epi16(1 << (15 - TBITS));
     int i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -553,57 +592,67 @@ __attribute__((target("avx2"))) static void lin_vrow_avx2(const int16_t *r0, con
         __m256i v1 = _mm256_add_epi16(a1, _mm256_mulhrs_epi16(_mm256_sub_epi16(c1, a1), bv));
         v0 = _mm256_mulhrs_epi16(v0, down);
         v1 = _mm256_mulhrs_epi16(v1, down);
-        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8);
-        _mm256_storeu_si256((__m256i *)(out + i), p);
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8));
     }
-    lin_vrow_c(r0 + i, r1 + i, b, n - i, out + i);
+    const int16_t *rest[2] = {r0 + i, r1 + i};
+    hf_vrow2_c(rest, w, b, n - i, out + i);
 }
+
 #endif
 
 /* Returns 1 when done, 0 when this path does not apply (the caller runs the generic one),
  * -1 when out of memory. */
-static int run_linear(const Job *j, const Taps *ty, const Taps *tx)
+static int run_hfirst(const Job *j, const Taps *ty, const Taps *tx)
 {
-    LinTab t = {0};
+    HTab t = {0};
     int16_t *cache = NULL;
-    int status = lintab_build(&t, tx, ty, j->W, j->ow, j->oh, j->C);
+    int64_t *held = NULL;
+    /* Only for a vertical axis that is bilinear (grows, keeps its size, or filter="linear"):
+     * when it shrinks with the area filter there are more source rows than output rows, and
+     * the generic passes (vertical first, over bytes) do less work. */
+    if (!ty->linear)
+        return 0;
+    int status = htab_build(&t, tx, ty, j->W, j->ow, j->oh, j->C);
     if (status <= 0)
         goto done;
     status = -1;
+    const int R = 2; /* cached rows: row s lives in slot s % 2 (an output row reads rows s and s + 1) */
     const int stride = t.groups * 4; /* int16 per cached row */
-    cache = PyMem_RawMalloc((size_t)stride * 2 * sizeof(int16_t));
-    if (cache == NULL)
+    cache = PyMem_RawMalloc((size_t)stride * R * sizeof(int16_t));
+    held = PyMem_RawMalloc((size_t)R * sizeof(int64_t));
+    if (cache == NULL || held == NULL)
         goto done;
-    void (*hrow)(const uint8_t *, const LinTab *, int16_t *) = lin_hrow_c;
-    void (*vrow)(const int16_t *, const int16_t *, int16_t, int, uint8_t *) = lin_vrow_c;
+    for (int k = 0; k < R; k++)
+        held[k] = -1;
+    void (*hrow)(const uint8_t *, const HTab *, int16_t *) = hf_hrow_c;
+    void (*vrow2)(const int16_t *const *, const int16_t *, int16_t, int, uint8_t *) = hf_vrow2_c;
 #if HAVE_AVX2_KERNELS
     if (j->simd && have_avx2()) {
-        hrow = lin_hrow_avx2;
-        vrow = lin_vrow_avx2;
+        hrow = t.kp2 == 1 ? hf_hrow_avx2_1 : hf_hrow_avx2_2;
+        vrow2 = hf_vrow2_avx2;
     }
 #endif
-    int16_t *slot[2] = {cache, cache + stride};
-    int64_t held[2] = {-1, -1}; /* source row in each slot */
     const int n = j->ow * j->C;
+    const int16_t *r[2];
     for (int y = 0; y < j->oh; y++) {
-        const int64_t s0 = ty->start[y], s1 = ty->count[y] == 2 ? s0 + 1 : s0;
-        const int16_t *r[2];
+        const int64_t s0 = ty->start[y];
+        const int cnt = ty->count[y];
         for (int k = 0; k < 2; k++) {
-            const int64_t s = k ? s1 : s0;
-            int q = held[0] == s ? 0 : held[1] == s ? 1 : -1;
-            if (q < 0) { /* replace the slot not holding the other row this output needs */
-                q = (held[0] == s0 || held[0] == s1) ? 1 : 0;
-                hrow(j->src + s * j->sstride, &t, slot[q]);
+            const int64_t s = s0 + (k < cnt ? k : cnt - 1); /* one tap: both rows are s0 */
+            const int q = (int)(s % R);
+            if (held[q] != s) {
+                hrow(j->src + s * j->sstride, &t, cache + (size_t)q * stride);
                 held[q] = s;
             }
-            r[k] = slot[q];
+            r[k] = cache + (size_t)q * stride;
         }
-        vrow(r[0], r[1], t.vb[y], n, j->dst + (size_t)y * n);
+        vrow2(r, NULL, cnt == 2 ? t.vb[y] : 0, n, j->dst + (size_t)y * n);
     }
     status = 1;
 done:
-    lintab_free(&t);
+    htab_free(&t);
     PyMem_RawFree(cache);
+    PyMem_RawFree(held);
     return status;
 }
 
@@ -623,8 +672,8 @@ static int run(const Job *j)
         goto done;
     if (j->flip)
         taps_reverse(&tx, j->ow);
-    if (ty.linear && tx.linear) {
-        const int r = run_linear(j, &ty, &tx);
+    {
+        const int r = run_hfirst(j, &ty, &tx);
         if (r != 0) {
             status = r > 0 ? 0 : -1;
             goto done;
