@@ -3,8 +3,9 @@
     python benchmarks/bench_resize.py --boxes 300 --rounds 7
 
 RandomResizedCrop(224) boxes drawn by torchvision's rule (scale 0.08-1, ratio 3/4-4/3) from a
-256x256 and a 256x341 RGB image; only the boxes that shrink on both axes are timed (the ones
-the area filter is for; resize_area refuses the others). Each method resizes every box, a
+256x256 and a 256x341 RGB image. The first table times the boxes that shrink on both axes (the
+ones the area filter is for; resize_area refuses the others); the second the boxes that grow
+on an axis, resized and mirrored by OpenCV (resize + flip) and by fastload's resize(flip=True). Each method resizes every box, a
 crop view of the source, into one reused 224x224x3 buffer; methods alternate per round so a
 busy machine disturbs all alike, and the table gives the best and median microseconds per
 image over the rounds. OpenCV runs single-threaded, as in fastload's workers. Also reports
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         shrink = [b for b in drawn if b[2] >= OUT and b[3] >= OUT and (b[2], b[3]) != (OUT, OUT)]
         mixed = sum(1 for b in drawn if b[2] * b[3] > OUT * OUT and (b[2] < OUT or b[3] < OUT))
         notes.append(f"{h}x{w}: {len(shrink) / len(drawn):.1%} of boxes shrink on both axes, "
-                     f"{mixed / len(drawn):.1%} shrink in area but enlarge one axis (not timed)")
+                     f"{mixed / len(drawn):.1%} shrink in area but enlarge one axis (in the second table)")
         crops += [img[t : t + bh, l : l + bw] for t, l, bh, bw in shrink[: args.boxes]]
         growing = [b for b in drawn if b[2] < OUT or b[3] < OUT]
         notes.append(f"{h}x{w}: {len(growing) / len(drawn):.1%} of boxes grow on at least one axis")
