@@ -56,7 +56,7 @@ else
     echo "[install] note: fastload._jpegcrop not built; decoding falls back to simplejpeg/OpenCV" >&2
 fi
 if "$py" -c "import fastload._resize" >/dev/null 2>&1; then
-    echo "[install] built fastload._resize (area filter for shrinking crops)"
+    echo "[install] built fastload._resize (area and bilinear resize with a fused flip)"
 else
     echo "[install] note: fastload._resize not built; shrinking crops fall back to OpenCV's INTER_AREA" >&2
 fi
