@@ -496,9 +496,8 @@ static int htab_build(HTab *t, const Taps *tx, const Taps *ty, int W, int ow, in
             }
         }
     }
-    if (ty->linear)
-        for (int y = 0; y < oh; y++) /* WBITS -> Q15; below 1 << 15 since a < 1 */
-            t->vb[y] = ty->count[y] == 2 ? (int16_t)(ty->w[y * 2 + 1] << (15 - WBITS)) : 0;
+    for (int y = 0; y < oh; y++) /* ty is bilinear: WBITS -> Q15, below 1 << 15 since a < 1 */
+        t->vb[y] = ty->count[y] == 2 ? (int16_t)(ty->w[y * 2 + 1] << (15 - WBITS)) : 0;
     return 1;
 }
 
@@ -529,9 +528,8 @@ static inline int16_t mulhrs(int32_t a, int32_t b)
     return (int16_t)((a * b + (1 << 14)) >> 15);
 }
 
-static void hf_vrow2_c(const int16_t *const *r, const int16_t *w, int16_t b, int n, uint8_t *out)
+static void hf_vrow2_c(const int16_t *const *r, int16_t b, int n, uint8_t *out)
 {
-    (void)w;
     const int16_t *r0 = r[0], *r1 = r[1];
     for (int i = 0; i < n; i++) {
         const int16_t v = (int16_t)(r0[i] + mulhrs((int16_t)(r1[i] - r0[i]), b));
@@ -580,8 +578,7 @@ __attribute__((target("avx2"))) static void hf_hrow_avx2_2(const uint8_t *src, c
     hf_hrow_avx2_impl(src, t, out, 2);
 }
 
-__attribute__((target("avx2"))) static void hf_vrow2_avx2(const int16_t *const *r, const int16_t *w, int16_t b, int n,
-                                                          uint8_t *out)
+__attribute__((target("avx2"))) static void hf_vrow2_avx2(const int16_t *const *r, int16_t b, int n, uint8_t *out)
 {
     const int16_t *r0 = r[0], *r1 = r[1];
     const __m256i bv = _mm256_set1_epi16(b), down = _mm256_set1_epi16(1 << (15 - TBITS));
@@ -596,7 +593,7 @@ __attribute__((target("avx2"))) static void hf_vrow2_avx2(const int16_t *const *
         _mm256_storeu_si256((__m256i *)(out + i), _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8));
     }
     const int16_t *rest[2] = {r0 + i, r1 + i};
-    hf_vrow2_c(rest, w, b, n - i, out + i);
+    hf_vrow2_c(rest, b, n - i, out + i);
 }
 
 #endif
@@ -626,7 +623,7 @@ static int run_hfirst(const Job *j, const Taps *ty, const Taps *tx)
     for (int k = 0; k < R; k++)
         held[k] = -1;
     void (*hrow)(const uint8_t *, const HTab *, int16_t *) = hf_hrow_c;
-    void (*vrow2)(const int16_t *const *, const int16_t *, int16_t, int, uint8_t *) = hf_vrow2_c;
+    void (*vrow2)(const int16_t *const *, int16_t, int, uint8_t *) = hf_vrow2_c;
 #if HAVE_AVX2_KERNELS
     if (j->simd && have_avx2()) {
         hrow = t.kp2 == 1 ? hf_hrow_avx2_1 : hf_hrow_avx2_2;
@@ -647,7 +644,7 @@ static int run_hfirst(const Job *j, const Taps *ty, const Taps *tx)
             }
             r[k] = cache + (size_t)q * stride;
         }
-        vrow2(r, NULL, cnt == 2 ? t.vb[y] : 0, n, j->dst + (size_t)y * n);
+        vrow2(r, t.vb[y], n, j->dst + (size_t)y * n);
     }
     status = 1;
 done:
