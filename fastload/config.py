@@ -41,6 +41,7 @@ class PackConfig:
     backend: str = "lmdb"  # "lmdb" | "hdf5"
     payload: str = "jpeg"  # "jpeg" | "bmp" | "png" | "raw" | "original"
     quality: int = 90  # JPEG quality for payload "jpeg"
+    restart_markers: bool = True  # payload "jpeg": a restart-segment grid (crops decode faster)
     resize: int | None = None  # shorter side to this many pixels, keeping aspect
     size: tuple[int, int] | None = None  # (h, w): resize to cover, then center crop
     shard_size: int = 1 << 30  # bytes of payload per shard before a new shard starts
@@ -58,6 +59,8 @@ class PackConfig:
             raise ValueError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
         if not _is_int(self.quality) or not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be an integer in 1..100, got {self.quality!r}")
+        if not isinstance(self.restart_markers, bool):
+            raise ValueError(f"restart_markers must be True or False, got {self.restart_markers!r}")
         if self.resize is not None and (not _is_int(self.resize) or self.resize < 1):
             raise ValueError(f"resize must be a positive integer, got {self.resize!r}")
         if self.size is not None:
@@ -86,6 +89,7 @@ class PackConfig:
         """The options that shape the output bytes, as stored in the manifest."""
         return {
             "quality": self.quality,
+            "restart_markers": self.restart_markers,
             "resize": self.resize,
             "size": list(self.size) if self.size else None,
             "shard_size": self.shard_size,

@@ -89,6 +89,7 @@ class _Encoding:
     base: str
     payload: str
     quality: int
+    restart_markers: bool
     resize: int | None
     size: tuple[int, int] | None
 
@@ -111,7 +112,10 @@ def _process(enc: _Encoding, relpath: str) -> tuple[bytes | None, tuple[int, int
     from .codecs import get_codec
 
     codec = get_codec(enc.payload)
-    out = codec.encode(img, quality=enc.quality) if enc.payload == "jpeg" else codec.encode(img)
+    if enc.payload == "jpeg":
+        out = codec.encode(img, quality=enc.quality, restart=enc.restart_markers)
+    else:
+        out = codec.encode(img)
     return out, img.shape
 
 
@@ -484,7 +488,7 @@ class _PackRun:
         cfg, listing = self.cfg, self.listing
         enc = _Encoding(
             base=str(listing.base), payload=cfg.payload, quality=cfg.quality,
-            resize=cfg.resize, size=cfg.size,
+            restart_markers=cfg.restart_markers, resize=cfg.resize, size=cfg.size,
         )
         first = self.start + self.position
         relpaths = listing.relpaths[first : self.stop]

@@ -54,6 +54,26 @@ def test_pack_inspect_verify_end_to_end(small_src, tmp_path):
     assert v.returncode == 0 and v.stdout.startswith("OK:") and "every record decodes" in v.stdout
 
 
+def _has_restart_markers(jpeg: bytes) -> bool:
+    """A DRI marker before the scan (the header's markers, walked by their lengths)."""
+    i = 2
+    while jpeg[i + 1] != 0xDA:
+        if jpeg[i + 1] == 0xDD:
+            return True
+        i += 2 + int.from_bytes(jpeg[i + 2 : i + 4], "big")
+    return False
+
+
+def test_jpeg_payload_restart_markers_on_by_default_and_off_by_flag(small_src, tmp_path):
+    for flag, expected in (((), True), (("--no-restart-markers",), False)):
+        dest = tmp_path / f"out{expected}"
+        p = run_cli("pack", small_src, dest, "--resize", "40", "--workers", "1", *flag)
+        assert p.returncode == 0, p.stderr
+        assert json.loads((dest / "manifest.json").read_text())["options"]["restart_markers"] is expected
+        reader = open_pack(dest)
+        assert all(_has_restart_markers(bytes(reader.get(i))) is expected for i in range(len(reader)))
+
+
 def test_skipped_inputs_warn_and_show_in_inspect(small_src, tmp_path):
     src = tmp_path / "src"
     make_jpeg_tree(src, classes=1, per_class=2)

@@ -190,6 +190,114 @@ def test_decodes_in_threads_concurrently():
     assert errors == []
 
 
+# -- restart-segment grid ---------------------------------------------------------------------
+
+
+def _encode_rst(img: np.ndarray, interval: int, sampling: str = "420") -> bytes:
+    params = [cv2.IMWRITE_JPEG_QUALITY, 90, cv2.IMWRITE_JPEG_RST_INTERVAL, interval]
+    if img.ndim == 3:
+        params += [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, SAMPLING[sampling]]
+        img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
+    ok, buf = cv2.imencode(".jpg", img, params)
+    assert ok
+    return buf.tobytes()
+
+
+# (sampling, height, width, interval): MCU 16x16 (420), 16x8 (422), 8x8 (444 and gray); sizes
+# that end in a partial MCU, one MCU or one segment across, segments of 1..5 MCUs.
+_GRID_CASES = [("420", 203, 317, 2), ("420", 203, 317, 4), ("420", 200, 320, 1), ("420", 17, 321, 3),
+               ("422", 203, 317, 5), ("444", 203, 317, 1), ("444", 61, 64, 8), ("gray", 203, 317, 4),
+               ("420", 33, 16, 1), ("420", 100, 30, 2)]
+_GRID_JPEGS = {
+    c: _encode_rst(cv2.cvtColor(_photo(c[1], c[2]), cv2.COLOR_RGB2GRAY) if c[0] == "gray" else _photo(c[1], c[2]),
+                   c[3], "420" if c[0] == "gray" else c[0])
+    for c in _GRID_CASES
+}
+
+
+@pytest.mark.parametrize("case", _GRID_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_restart_grid_is_found(case):
+    sampling, h, w, interval = case
+    mcu_h, mcu_w = {"420": (16, 16), "422": (8, 16), "444": (8, 8), "gray": (8, 8)}[sampling]
+    assert jpegcrop.restart_grid(_GRID_JPEGS[case]) == (interval, mcu_h, mcu_w, -(-h // mcu_h), -(-w // mcu_w))
+
+
+def test_no_grid_without_restarts_or_when_segments_straddle_rows():
+    assert jpegcrop.restart_grid(_JPEGS[("420", False)]) is None
+    assert jpegcrop.restart_grid(_JPEGS[("420", True)]) is None  # progressive
+    straddle = _encode_rst(_photo(64, 320), 3)  # 20 MCUs a row: 3 does not divide it
+    assert jpegcrop.restart_grid(straddle) is None
+    crop = jpegcrop.decode_crop(straddle, (20, 100, 30, 40))
+    np.testing.assert_array_equal(crop, jpegcrop.decode(straddle)[20:50, 100:140])
+    assert jpegcrop.restart_grid(b"\xff\xd8\xff\xdd\x00\x04") is None  # truncated header: no grid, no crash
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=st.sampled_from(_GRID_CASES), reduce=st.sampled_from([1, 1, 2, 4, 8]), fast=st.booleans(),
+       data=st.data())
+def test_segment_cut_equals_full_decode_cropped_exactly(case, reduce, fast, data):
+    """Decoding only the segments under the box gives exactly the box of a full decode (the
+    2-pixel margin keeps fancy chroma upsampling away from the cut-out's edges), for every
+    sampling, scale and box, including boxes at the image edges and 1-pixel ones."""
+    buf = _GRID_JPEGS[case]
+    full = jpegcrop.decode(buf, reduce=reduce, fast=fast)
+    H, W = full.shape[:2]
+    t, l = data.draw(st.integers(0, H - 1)), data.draw(st.integers(0, W - 1))
+    h, w = data.draw(st.integers(1, H - t)), data.draw(st.integers(1, W - l))
+    cut = jpegcrop.decode_crop(buf, (t, l, h, w), reduce=reduce, fast=fast)
+    np.testing.assert_array_equal(cut, full[t : t + h, l : l + w])
+    np.testing.assert_array_equal(jpegcrop.decode_crop(buf, (t, l, h, w), reduce=reduce, fast=fast, segments=False),
+                                  cut)
+
+
+def test_payload_encoder_writes_a_grid_with_the_same_pixels():
+    img = _photo(256, 341)  # 22 MCUs a row: segments of 2 MCUs
+    buf = jpeg.encode(img)
+    assert jpegcrop.restart_grid(buf) == (2, 16, 16, 16, 22)
+    assert jpegcrop.restart_grid(jpeg.encode(_photo(256, 330))) == (1, 16, 16, 16, 21)  # odd: every MCU
+    plain = jpeg.encode(img, restart=False)
+    assert jpegcrop.restart_grid(plain) is None
+    np.testing.assert_array_equal(jpegcrop.decode(buf), jpegcrop.decode(plain))  # markers change no pixel
+    for backend in ("cv2", "simplejpeg", "pil"):  # any decoder reads it
+        np.testing.assert_array_equal(jpeg.decode(buf, backend=backend), jpeg.decode(plain, backend=backend))
+    assert len(plain) < len(buf) < 1.1 * len(plain)
+
+
+def test_segment_cut_reads_only_the_segments_it_needs():
+    """Scribbling over the scan below and beside the box does not touch a cut decode (proof
+    that those segments are not decoded), while the plain path, which entropy-decodes every
+    MCU before the box's last one, fails on the damage beside it."""
+    img = _photo(256, 341)
+    buf = bytearray(jpeg.encode(img))
+    ref = jpegcrop.decode(bytes(buf))
+    sos = buf.index(b"\xff\xda")
+    data_start = sos + 2 + int.from_bytes(buf[sos + 2 : sos + 4], "big")
+    # Segment 1 (pixels 0..15 x 32..63, in the first MCU row) lies between RST0 and RST1.
+    rst0 = buf.index(b"\xff\xd0", data_start)
+    rst1 = buf.index(b"\xff\xd1", data_start)
+    for k in range(rst0 + 3, rst1 - 1, 2):  # damage it, keeping the markers
+        buf[k] = 0x00
+    box = (40, 150, 60, 80)  # rows 40..99, columns 150..229: far from segment 1
+    got = jpegcrop.decode_crop(bytes(buf), box)
+    np.testing.assert_array_equal(got, ref[40:100, 150:230])
+    with pytest.raises(DecodeError, match="JPEG"):
+        jpegcrop.decode_crop(bytes(buf), box, segments=False)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "renumber"])
+def test_segment_damage_under_the_box_raises_decode_error(damage):
+    buf = bytearray(jpeg.encode(_photo(256, 341)))
+    if damage == "truncate":  # the box's segments are not all there: the plain path reports it
+        bad = bytes(buf[: len(buf) * 2 // 3])
+    else:  # a restart marker out of sequence before the box
+        sos = buf.index(b"\xff\xda")
+        k = buf.index(b"\xff\xd3", sos)
+        buf[k + 1] = 0xD5
+        bad = bytes(buf)
+    with pytest.raises(DecodeError, match="JPEG"):
+        jpegcrop.decode_crop(bad, (200, 100, 50, 60))
+
+
 # -- ImageFolder with decoder="turbo-crop" --------------------------------------------------
 
 

@@ -422,6 +422,7 @@ def test_pack_config_rejects_bad_values():
         (dict(payload="gif"), "payload"), (dict(backend="zip"), "format"), (dict(part=2, parts=2), "part"),
         (dict(size=(0, 4)), "size"), (dict(resize=0), "resize"), (dict(workers=0), "workers"),
         (dict(payload="original", resize=64), "original"), (dict(resize=4, size=(4, 4)), "not both"),
+        (dict(restart_markers=1), "restart_markers"),
     ]:
         with pytest.raises(ValueError, match=msg):
             PackConfig(**kw)

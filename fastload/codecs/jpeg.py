@@ -24,13 +24,36 @@ LOSSLESS = False
 BACKENDS = ("cv2", "simplejpeg", "jpeg4py", "pil", "turbo-crop")
 
 
-def encode(img: np.ndarray, *, quality: int = 90) -> bytes:
+# 4:2:0: an MCU is 16x16 pixels.
+_MCU = 16
+
+
+def encode(img: np.ndarray, *, quality: int = 90, restart: bool = True) -> bytes:
     """Baseline JPEG, 4:2:0, with Huffman tables optimised for this image: an extra pass at
     pack time that makes the payload ~3.5% smaller and every decode ~2% faster (fewer bits
-    to entropy-decode; measured on 256x341 photos at quality 90). Same pixels as without."""
+    to entropy-decode; measured on 256x341 photos at quality 90). Same pixels as without.
+
+    ``restart``: restart markers every 2 MCUs (32 pixels) where a row has an even number of
+    MCUs, else every MCU, so the image is a grid of independently coded segments. The
+    turbo-crop decoder then entropy-decodes only the segments under a crop box: ~17% less
+    decode time for RandomResizedCrop boxes, for ~3-6% more bytes. Every JPEG decoder reads
+    the result; those that decode whole images (OpenCV, simplejpeg) run ~8% slower on it,
+    since libjpeg-turbo's fast Huffman path is off when a stream has restart markers.
+    """
     if not 1 <= int(quality) <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
-    return imencode_rgb(img, ".jpg", [cv2.IMWRITE_JPEG_QUALITY, int(quality), cv2.IMWRITE_JPEG_OPTIMIZE, 1])
+    params = [cv2.IMWRITE_JPEG_QUALITY, int(quality), cv2.IMWRITE_JPEG_OPTIMIZE, 1]
+    if restart and hasattr(cv2, "IMWRITE_JPEG_RST_INTERVAL"):  # OpenCV >= 4.5
+        params += [cv2.IMWRITE_JPEG_RST_INTERVAL, restart_interval(img.shape[1])]
+    return imencode_rgb(img, ".jpg", params)
+
+
+def restart_interval(width: int) -> int:
+    """MCUs between restart markers for a 4:2:0 image ``width`` pixels wide: 2 when that
+    divides a row's MCUs, else 1 (a segment must not straddle two rows). Measured on 384x288
+    photos: 1 MCU decodes crops fastest, 2 costs ~2% more time for half the extra bytes, 3+
+    is slower still."""
+    return 2 if (-(-int(width) // _MCU)) % 2 == 0 else 1
 
 
 def decode(

@@ -4,7 +4,9 @@ RandomResizedCrop keeps on average about half of the decoded pixels. The optiona
 ``fastload._jpegcrop`` (built by ``pip install -e .`` when libjpeg-turbo's headers are there;
 Debian: ``libjpeg62-turbo-dev``) skips the rows above the box without an inverse DCT, leaves
 out the columns beside it (to iMCU precision) and stops after its last row, optionally with the
-DCT-domain downscale (``reduce`` 2, 4, 8).
+DCT-domain downscale (``reduce`` 2, 4, 8). When the JPEG has restart markers that cut it
+into a grid of segments (fastload's jpeg payload, see :func:`fastload.codecs.jpeg.encode`),
+only the segments under the box are entropy-decoded at all.
 
 The pixels equal the same box cut from a full decode at the same scale with the same library
 (ISLOW DCT, fancy upsampling: the settings simplejpeg uses), exactly: the extension asks for
@@ -69,6 +71,14 @@ def header(buf) -> tuple[int, int]:
         raise DecodeError(f"could not read the header of a {data.size}-byte JPEG payload: {exc}") from None
 
 
+def restart_grid(buf) -> tuple[int, int, int, int, int] | None:
+    """``(interval, mcu_height, mcu_width, mcu_rows, mcus_per_row)`` of a JPEG whose restart
+    markers split it into a grid of segments (fastload's jpeg payload), else ``None``. With a
+    grid, :func:`decode_crop` entropy-decodes only the segments under the box."""
+    require()
+    return _ext().restart_grid(as_u8(buf))
+
+
 def out_bytes(height: int, width: int) -> int:
     """Bytes an ``out`` buffer needs for a height x width box: rows are decoded region-wide
     (the box and a column either side, at least 16 columns, back to an iMCU boundary of at
@@ -77,7 +87,7 @@ def out_bytes(height: int, width: int) -> int:
 
 
 def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: int = 1,
-                out: np.ndarray | None = None, fast: bool = False) -> np.ndarray:
+                out: np.ndarray | None = None, fast: bool = False, segments: bool = True) -> np.ndarray:
     """The box ``(top, left, height, width)`` (in pixels of the 1/``reduce`` scaled image) of
     a JPEG, as an HWC uint8 RGB array; ``None`` decodes the whole image.
 
@@ -86,6 +96,8 @@ def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: in
     The box must lie inside the scaled image (:func:`scaled_hw`), else ``ValueError``.
     ``fast``: the fast integer IDCT and merged chroma upsampling (~10% faster; the box still
     equals the same box of a full decode with the same settings).
+    ``segments``: use the JPEG's restart-segment grid when it has one (:func:`restart_grid`);
+    False decodes from the top as for any JPEG (same pixels; for comparisons).
     """
     require()
     ext = _ext()
@@ -94,7 +106,7 @@ def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: in
     data = as_u8(buf)
     t, l, h, w = (0, 0, -1, -1) if box is None else (int(v) for v in box)
     try:
-        target, h, w, stride, offset = ext.decode_crop(data, t, l, h, w, reduce, out, fast)
+        target, h, w, stride, offset = ext.decode_crop(data, t, l, h, w, reduce, out, fast, segments)
     except ext.Unsupported:
         img = _fallback(data, reduce)
         if box is None:

@@ -79,6 +79,9 @@ def register(subparsers) -> None:
     p.add_argument("--payload", choices=("jpeg", "bmp", "png", "raw", "original"), default="jpeg",
                    help="record encoding (default jpeg)")
     p.add_argument("--quality", type=_quality, default=90, help="JPEG quality 1..100 (default 90)")
+    p.add_argument("--no-restart-markers", dest="restart_markers", action="store_false",
+                   help="jpeg payload without restart markers: ~3-6%% smaller and ~8%% faster to decode "
+                   "whole, but crops decode ~17%% slower with fastload's turbo-crop decoder")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resize", type=_positive_int("--resize"), metavar="N", help="resize the shorter side to N pixels")
     g.add_argument("--size", type=parse_hw, metavar="HxW", help="resize and center-crop to exactly HxW")
@@ -101,7 +104,8 @@ def run(args) -> int:
 
     try:
         cfg = PackConfig(
-            backend=args.backend, payload=args.payload, quality=args.quality, resize=args.resize,
+            backend=args.backend, payload=args.payload, quality=args.quality,
+            restart_markers=args.restart_markers, resize=args.resize,
             size=args.size, shard_size=args.shard_size, workers=args.workers,
             part=args.part[0], parts=args.part[1], on_error=OnError(args.on_error),
             overwrite=args.overwrite, progress=not args.quiet,
