@@ -1,4 +1,4 @@
-"""Helpers the benchmark scripts share: timing, tables, and writing RESULTS.md sections.
+"""Helpers the benchmark scripts share: timing, tables, packs, and writing RESULTS.md sections.
 
 Each benchmark owns one section of benchmarks/RESULTS.md, delimited by HTML comments, so
 running one benchmark replaces its own figures and leaves the others alone.
@@ -67,3 +67,23 @@ def write_section(name: str, body: str, *, command: str | None = None) -> None:
     pat = re.compile(rf"<!-- {re.escape(name)}:start -->.*?<!-- {re.escape(name)}:end -->\n?", re.S)
     text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block
     RESULTS.write_text(text)
+
+
+def ensure_pack(src: Path, dest: Path, cfg, label: str) -> Path:
+    """``dest``, packed from ``src`` with the PackConfig ``cfg`` unless it already holds a
+    finished pack made with the same output options: a workdir kept from a run of an older
+    fastload may hold packs made otherwise (say, before restart markers), and those are redone."""
+    import dataclasses
+    import json
+
+    from fastload.pack import pack
+
+    try:
+        manifest = json.loads((dest / "manifest.json").read_text())
+        if manifest.get("options") == cfg.output_options() and manifest.get("backend") == cfg.backend:
+            return dest
+    except (OSError, ValueError):
+        pass
+    print(f"packing {label} ...", flush=True)
+    pack(src, dest, config=dataclasses.replace(cfg, overwrite=True))
+    return dest

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not another install
-from _results import table, write_section  # noqa: E402
+from _results import ensure_pack, table, write_section  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -210,7 +210,6 @@ def h2d_ms(batch: int, crop: int, device: torch.device, reps: int = 20) -> float
 
 def prepare_data(args, work: Path) -> tuple[Path, Path]:
     from fastload.config import PackConfig
-    from fastload.pack import pack
     from fastload.sample import make_image_folder
 
     source = Path(args.source) if args.source else work / "source"
@@ -218,9 +217,8 @@ def prepare_data(args, work: Path) -> tuple[Path, Path]:
         print(f"making {args.classes} x {args.per_class} sample JPEGs under {source} ...", flush=True)
         make_image_folder(source, num_classes=args.classes, per_class=args.per_class, size=tuple(args.size), seed=0)
     packed = Path(args.pack) if args.pack else work / "pack-lmdb"
-    if not args.pack and not (packed / "manifest.json").exists():
-        print(f"packing {source} -> {packed} ...", flush=True)
-        pack(source, packed, config=PackConfig(backend="lmdb", payload="jpeg", progress=False))
+    if not args.pack:
+        ensure_pack(source, packed, PackConfig(backend="lmdb", payload="jpeg", progress=False), f"{source} -> {packed}")
     return source, packed
 
 

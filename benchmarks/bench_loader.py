@@ -26,7 +26,6 @@ Prints images/s and ratios and writes the ``bench_loader`` section of RESULTS.md
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import multiprocessing as mp
 import random
@@ -40,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not another install
-from _results import table, write_section  # noqa: E402
+from _results import ensure_pack, table, write_section  # noqa: E402
 
 OUT = 224
 EPOCHS = 3  # timed passes per measurement; the best is reported
@@ -264,18 +263,6 @@ def bench_ceiling(pack: Path, workers: int, fast_decode: bool = False) -> float:
 # -- main ------------------------------------------------------------------------------------
 
 
-def _packed_with(dest: Path, cfg) -> bool:
-    """Whether ``dest`` holds a finished pack made with ``cfg``'s output options (a workdir
-    kept from a run of an older fastload may hold packs made otherwise: those are redone)."""
-    import json
-
-    try:
-        manifest = json.loads((dest / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return manifest.get("options") == cfg.output_options() and manifest.get("backend") == cfg.backend
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=5000, help="images in the generated tree (default 5000)")
@@ -287,7 +274,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from fastload.config import PackConfig
-    from fastload.pack import pack
     from fastload.sample import make_image_folder
 
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench_loader-"))
@@ -310,10 +296,7 @@ def main(argv=None) -> int:
         for backend in backends:
             dest = tmp / f"{name.replace('@', '_').replace(' ', '_')}_{backend}"
             cfg = PackConfig(backend=backend, workers=args.workers, progress=False, **opts)
-            if not _packed_with(dest, cfg):
-                print(f"packing {name} ({backend}) ...", flush=True)
-                pack(src, dest, config=dataclasses.replace(cfg, overwrite=True))
-            packs[(name, backend)] = dest
+            packs[(name, backend)] = ensure_pack(src, dest, cfg, f"{name} ({backend})")
 
     rows, notes = [], []
     res: dict[str, float] = {}
@@ -358,7 +341,7 @@ def main(argv=None) -> int:
     print(f"fastload {name} (lmdb) ...", flush=True)
     rate, decoder = isolated(bench_fastload, packs[(name, "lmdb")], args.batch, args.workers)
     res[f"{name} lmdb"] = rate
-    rows.append([f"fastload jpeg@256, packed --no-restart-markers", f"lmdb, decoder {decoder}", rate,
+    rows.append(["fastload jpeg@256, packed --no-restart-markers", f"lmdb, decoder {decoder}", rate,
                  f"{rate / res['ceil jpeg@256']:.0%} of jpeg@256 ceiling"])
 
     ratios = []

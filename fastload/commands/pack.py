@@ -80,7 +80,7 @@ def register(subparsers) -> None:
                    help="record encoding (default jpeg)")
     p.add_argument("--quality", type=_quality, default=90, help="JPEG quality 1..100 (default 90)")
     p.add_argument("--no-restart-markers", dest="restart_markers", action="store_false",
-                   help="jpeg payload without restart markers: ~3-6%% smaller and ~8%% faster to decode "
+                   help="jpeg payload without restart markers: ~2-6%% smaller and ~8%% faster to decode "
                    "whole, but crops decode ~17%% slower with fastload's turbo-crop decoder")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resize", type=_positive_int("--resize"), metavar="N", help="resize the shorter side to N pixels")
