@@ -36,9 +36,10 @@ def encode(img: np.ndarray, *, quality: int = 90, restart: bool = True) -> bytes
     ``restart``: restart markers every 2 MCUs (32 pixels) where a row has an even number of
     MCUs, else every MCU, so the image is a grid of independently coded segments. The
     turbo-crop decoder then entropy-decodes only the segments under a crop box: ~17% less
-    decode time for RandomResizedCrop boxes, for ~2-6% more bytes (2.3% on the benchmark photos). Every JPEG decoder reads
-    the result; those that decode whole images (OpenCV, simplejpeg) run ~8% slower on it,
-    since libjpeg-turbo's fast Huffman path is off when a stream has restart markers.
+    decode time for RandomResizedCrop boxes, for ~2-6% more bytes (2.3% on the benchmark
+    photos). Every JPEG decoder reads the result; those that decode whole images (OpenCV,
+    simplejpeg) run ~8% slower on it, since libjpeg-turbo's fast Huffman path is off when a
+    stream has restart markers.
     """
     if not 1 <= int(quality) <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
