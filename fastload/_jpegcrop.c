@@ -14,8 +14,9 @@
  * fastload's jpeg payload is packed with), is a grid of independently coded segments. When
  * the input has such a grid, decode_crop copies just the segments that cover the box (plus a
  * 2-pixel margin for chroma upsampling) into a smaller JPEG (the same header with the frame
- * size patched, restart markers renumbered) and decodes that: same pixels, about a quarter
- * less time for RandomResizedCrop boxes. Any other input takes the plain path.
+ * size patched, restart markers renumbered) and decodes that: same pixels, ~17% less decode
+ * time for RandomResizedCrop boxes of 256x341 photos (though libjpeg-turbo leaves its fast
+ * Huffman path off for any stream with restart markers). Any other input takes the plain path.
  *
  * Errors: libjpeg's error_exit longjmps back here. Corrupt-data warnings (premature end of
  * data, bad Huffman codes...) are errors too, so a truncated JPEG raises instead of coming
@@ -71,7 +72,6 @@ static void emit_message(j_common_ptr cinfo, int msg_level)
         error_exit(cinfo); /* corrupt data: refuse rather than return grey fill */
     }
 }
-
 
 /* ---- Restart-segment grid ------------------------------------------------------------- */
 
