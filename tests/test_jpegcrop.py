@@ -298,6 +298,30 @@ def test_segment_damage_under_the_box_raises_decode_error(damage):
         jpegcrop.decode_crop(bad, (200, 100, 50, 60))
 
 
+@settings(max_examples=200, deadline=None)
+@given(case=st.sampled_from(_GRID_CASES), data=st.data())
+def test_damaged_grid_jpeg_decodes_or_raises_decode_error(case, data):
+    """Random bytes scribbled over (or cut off) a restart-marker JPEG: the segment cut must
+    come back with a box of the right shape or raise DecodeError, nothing else (the C side
+    parses markers and lengths from untrusted bytes)."""
+    buf = bytearray(_GRID_JPEGS[case])
+    for _ in range(data.draw(st.integers(1, 6))):
+        buf[data.draw(st.integers(0, len(buf) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del buf[data.draw(st.integers(0, len(buf) - 1)) :]
+    _, h_img, w_img, _ = case
+    t, l = data.draw(st.integers(0, h_img - 1)), data.draw(st.integers(0, w_img - 1))
+    h, w = data.draw(st.integers(1, h_img - t)), data.draw(st.integers(1, w_img - l))
+    try:
+        crop = jpegcrop.decode_crop(bytes(buf), (t, l, h, w))
+    except DecodeError:
+        return
+    except ValueError as exc:  # the damage may change the frame size in the header
+        assert "not inside" in str(exc)
+        return
+    assert crop.shape == (h, w, 3)
+
+
 # -- ImageFolder with decoder="turbo-crop" --------------------------------------------------
 
 
