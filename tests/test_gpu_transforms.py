@@ -19,6 +19,7 @@ from fastload.gpu.transforms import (
     sample_crop_boxes,
     uniform,
 )
+from fastload.data.draws import flip_flags
 
 
 def _batch(n=6, h=20, w=30, seed=0) -> torch.Tensor:
@@ -144,6 +145,40 @@ def test_gpu_crop_and_flip_are_the_cpu_transforms_draws():
     far = (other - cpu).abs().mean(dim=(1, 2, 3))
     assert float(same.max()) < 0.02, same
     assert float(same.mean()) < 0.2 * float(far.mean())
+
+
+def test_antialiased_crop_equals_pil_crop_then_bilinear_resize():
+    """antialias=True is PIL's (and torchvision's antialias=True) bilinear: crop the box, then
+    resize with the triangle filter widened where it shrinks. PIL rounds to uint8 between its
+    two passes, hence the 1-level tolerance."""
+    from PIL import Image
+
+    rng = np.random.default_rng(4)
+    n, h, w = 12, 60, 80
+    hwc = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+    x = torch.from_numpy(hwc).permute(0, 3, 1, 2).float()
+    idx = np.arange(n) * 7
+    for out in ((24, 24), (50, 70), (90, 30)):  # shrink both ways, mixed, grow one way
+        got = random_resized_crop(x, out, seed=1, epoch=2, indices=idx, flip_p=0.5)
+        boxes = sample_crop_boxes(h, w, seed=1, epoch=2, indices=idx)
+        flips = flip_flags(1, 2, idx, 0.5)
+        for k, (t, l, bh, bw) in enumerate(boxes):
+            ref = Image.fromarray(hwc[k]).crop((l, t, l + bw, t + bh)).resize((out[1], out[0]), Image.BILINEAR)
+            ref = np.asarray(ref)[:, ::-1] if flips[k] else np.asarray(ref)
+            diff = np.abs(got[k].permute(1, 2, 0).numpy() - ref.astype(np.float32))
+            assert diff.max() <= 1.0 + 1e-3, (out, k, diff.max())
+
+
+def test_antialias_removes_aliasing_of_a_strong_downscale():
+    """Alternating 0/1 columns shrunk 4x: the antialiased crop averages them (0.5 everywhere);
+    grid_sample's 2-tap bilinear picks a few columns and comes out far from 0.5."""
+    stripes = torch.zeros(2, 3, 64, 64)
+    stripes[..., 1::2] = 1.0
+    kw = dict(seed=0, epoch=0, indices=[0, 1], scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    smooth = random_resized_crop(stripes, 13, **kw)
+    aliased = random_resized_crop(stripes, 13, antialias=False, **kw)
+    assert float((smooth - 0.5).abs().max()) < 0.05
+    assert float((aliased - 0.5).abs().mean()) > 0.2
 
 
 def test_random_resized_crop_errors_and_dtypes():
