@@ -17,7 +17,7 @@ import torch
 
 import fastload.transforms as T
 from fastload.data.dataset import ImageFolder
-from fastload.data.loader import DataLoader
+from fastload.data.loader import DataLoader, _cudart_paths, _drain_cuda_error
 from fastload.data.sampler import epoch_indices
 from fastload.errors import DecodeError
 
@@ -388,6 +388,41 @@ def test_closing_a_pinned_loader_unregisters_its_slots(jpeg_pack, workers):
         gc.collect()
         for ptr in ptrs:  # already unregistered: unregistering again is an error
             assert int(cudart.cudaHostUnregister(ptr)) != 0
+        _drain_cuda_error()  # those errors are pending: the next test's first kernel would raise them
+
+
+def test_cudart_paths_from_proc_maps():
+    lines = [
+        "7f00-7f10 r-xp 00000000 08:01 123 /venv/lib/nvidia/cuda_runtime/lib/libcudart.so.12\n",
+        "7f10-7f20 r--p 00010000 08:01 123 /venv/lib/nvidia/cuda_runtime/lib/libcudart.so.12\n",
+        "7f20-7f30 r-xp 00000000 08:01 456 /opt/torch/lib/libcudart-9335f6a2.so.12 (deleted)\n",
+        "7f30-7f40 r-xp 00000000 08:01 789 /usr/lib/libcudnn.so.9\n",
+        "7f40-7f50 rw-p 00000000 00:00 0 \n",
+        "7f50-7f60 rw-p 00000000 00:00 0 [heap]\n",
+    ]
+    assert _cudart_paths(lines) == ["/venv/lib/nvidia/cuda_runtime/lib/libcudart.so.12",
+                                    "/opt/torch/lib/libcudart-9335f6a2.so.12"]
+    _drain_cuda_error()  # without CUDA: finds no runtime (or one with nothing pending), does nothing
+
+
+@pytest.mark.cuda
+def test_failed_pin_warns_falls_back_and_leaves_no_pending_cuda_error():
+    """Registering a slot twice fails (cudaErrorHostMemoryAlreadyRegistered): the second
+    _pin warns and returns the memory unpinned, and the error is drained, so the next kernel
+    launch (whose check reads cudaGetLastError) does not raise it."""
+    from fastload.data import loader as loader_mod
+
+    a = np.zeros(1 << 20, np.uint8)
+    pinned = loader_mod._pin(a)
+    assert torch.from_numpy(pinned).is_pinned()
+    loader_mod._warned.clear()
+    with pytest.warns(RuntimeWarning, match="cudaHostRegister"):
+        again = loader_mod._pin(a)
+    assert again is a
+    x = torch.ones(8, device="cuda") * 3  # launches kernels: raises if the error were pending
+    assert float(x.sum()) == 24.0
+    del pinned
+    gc.collect()
 
 
 def _failing_target(t):

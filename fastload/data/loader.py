@@ -46,6 +46,7 @@ import signal
 import sys
 import tempfile
 import traceback
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -208,27 +209,78 @@ def _pin(a: np.ndarray) -> np.ndarray:
     Returns an array over the same memory that unregisters it (cudaHostUnregister on the same
     pointer) when its last view dies, before the memory is unmapped or freed: registered memory
     that is unmapped stays in the driver's table, and a later mapping at the same address then
-    fails to register. Without CUDA, returns ``a`` unchanged.
+    fails to register. Without CUDA, returns ``a`` unchanged. If the driver refuses (a memlock
+    limit, a container without the right), warns once and returns ``a``: copies from pageable
+    memory are slower but correct.
     """
     import torch
 
     if not torch.cuda.is_available():
         return a
     ptr = a.ctypes.data
-    err = torch.cuda.cudart().cudaHostRegister(ptr, a.nbytes, 0)
-    if int(err) != 0:  # pragma: no cover - needs a GPU
-        raise FastloadError(f"cudaHostRegister of a {a.nbytes}-byte batch slot failed (error {int(err)})")
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, a.nbytes, 0))
+    if err != 0:  # pragma: no cover - needs a GPU (tests/test_loader.py::test_failed_pin_* runs it there)
+        _drain_cuda_error()
+        _warn_once(f"cudaHostRegister of a {a.nbytes}-byte batch slot failed (CUDA error {err}); batches "
+                   "stay in pageable memory, so host-to-GPU copies are slower and not asynchronous")
+        return a
     return np.asarray(_ReleasedLast(a, functools.partial(_unpin, ptr, os.getpid())))
 
 
 def _unpin(ptr: int, pid: int) -> None:
     """cudaHostUnregister ``ptr`` (in the process that registered it; a forked child must not
-    touch CUDA). The error code is not checked: nothing could be done about it here."""
+    touch CUDA). A failure is drained and otherwise ignored: nothing could be done about it here."""
     if os.getpid() != pid:  # pragma: no cover - defensive
         return
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:  # pragma: no cover - needs a GPU
+        _drain_cuda_error()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _cudart_paths(maps_lines) -> list[str]:
+    """The distinct CUDA runtime libraries mapped into this process, from /proc/self/maps lines
+    (pip wheels name them libcudart.so.12, some torch builds libcudart-<hash>.so.12)."""
+    paths = []
+    for line in maps_lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip().removesuffix(" (deleted)")
+        if os.path.basename(path).startswith("libcudart") and ".so" in path and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def _drain_cuda_error() -> None:
+    """Reset the CUDA runtime's pending "last error" after a failed cudart call we handle.
+
+    A failed cudaHostRegister/Unregister leaves its code pending, and torch's next
+    kernel-launch check (``cudaGetLastError``) would raise it from an unrelated operation.
+    torch's cudart binding has no cudaGetLastError, so call it through ctypes in every
+    libcudart this process has mapped (each library instance keeps its own error state;
+    dlopen of a mapped path returns that instance)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = _cudart_paths(f)
+    except OSError:  # pragma: no cover - not Linux
+        return
+    for path in paths:
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):  # pragma: no cover - defensive
+            pass
 
 
 # -- worker processes ---------------------------------------------------------------------
