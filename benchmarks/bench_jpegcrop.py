@@ -8,9 +8,9 @@ photos re-encoded at shorter side 256, q90): record get + decode + RandomResized
 flip into a reused batch buffer, i.e. ``ImageFolder.fill_batch``. The same photos are packed
 twice: as ``fastload pack`` does by default (restart markers every 1-2 MCUs, so turbo-crop
 entropy-decodes only the segments under the box) and ``--no-restart-markers``. Each decoder
-runs on both; the runs alternate A, B, C, D, A... so a machine shared with other work disturbs
-all alike; the table gives each one's best and median microseconds per image over the rounds. Writes the
-``bench_jpegcrop`` section of RESULTS.md unless ``--no-write``.
+runs on both; the runs alternate A, B, C, D, A... so a machine shared with other work
+disturbs all alike; the table gives each one's best and median microseconds per image over
+the rounds. Writes the ``bench_jpegcrop`` section of RESULTS.md unless ``--no-write``.
 """
 
 from __future__ import annotations

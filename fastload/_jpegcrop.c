@@ -230,6 +230,20 @@ typedef struct {
     unsigned char *sub; /* the cut-out JPEG, freed by the caller */
 } Job;
 
+/* [start - margin, end + margin) clipped to [0, limit), then widened to at least 16 (or all
+ * of limit): libjpeg picks plain (not fancy) upsampling for a component only 1-2 samples
+ * wide, so a very narrow region would change pixels. */
+static void widen(long start, long end, long margin, long limit, long *lo, long *hi)
+{
+    long a = start >= margin ? start - margin : 0, b = end + margin < limit ? end + margin : limit;
+    if (b - a < 16) {
+        b = a + 16 < limit ? a + 16 : limit;
+        a = b > 16 ? b - 16 : 0;
+    }
+    *lo = a;
+    *hi = b;
+}
+
 /* Decode settings, after every jpeg_read_header. */
 static void configure(j_decompress_ptr cinfo, int denom, int fast)
 {
@@ -273,16 +287,10 @@ static int decode_box(Job *job)
     /* Fancy (smooth) h2v1/h2v2 chroma upsampling treats the edges of a cropped region like
      * image edges (libjpeg.txt, "Partial image decompression"), which changes the region's
      * outermost columns. Ask for one more column on each side, so every column of the box is
-     * interior to the region and the pixels equal a full decode's. */
-    JDIMENSION x0 = job->left > 0 ? job->left - 1 : 0;
-    JDIMENSION x1 = job->left + job->width < full_w ? job->left + job->width + 1 : full_w;
-    /* libjpeg picks plain (not fancy) upsampling for a component only 1-2 samples wide, so a
-     * very narrow region would change pixels: keep it at least 16 columns wide. */
-    if (x1 - x0 < 16) {
-        x1 = x0 + 16 < full_w ? x0 + 16 : full_w;
-        x0 = x1 > 16 ? x1 - 16 : 0;
-    }
-    JDIMENSION xoff = x0, xw = x1 - x0;
+     * interior to the region and the pixels equal a full decode's (at least 16 wide). */
+    long x0, x1;
+    widen(job->left, (long)job->left + job->width, 1, full_w, &x0, &x1);
+    JDIMENSION xoff = (JDIMENSION)x0, xw = (JDIMENSION)(x1 - x0);
     if (xw < full_w)
         jpeg_crop_scanline(cinfo, &xoff, &xw); /* moves xoff left to an iMCU boundary */
     else
@@ -415,16 +423,9 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
         /* The scaled rows and columns to cover: the box, 2 more each side (fancy chroma
          * upsampling looks one chroma sample beyond a pixel, and treats the cut-out's edges
          * like image edges), at least 16 each way (as decode_box keeps the region). */
-        long ys0 = top >= 2 ? top - 2 : 0, ys1 = top + height + 2 < H ? top + height + 2 : H;
-        long xs0 = left >= 2 ? left - 2 : 0, xs1 = left + width + 2 < W ? left + width + 2 : W;
-        if (ys1 - ys0 < 16) {
-            ys1 = ys0 + 16 < H ? ys0 + 16 : H;
-            ys0 = ys1 > 16 ? ys1 - 16 : 0;
-        }
-        if (xs1 - xs0 < 16) {
-            xs1 = xs0 + 16 < W ? xs0 + 16 : W;
-            xs0 = xs1 > 16 ? xs1 - 16 : 0;
-        }
+        long ys0, ys1, xs0, xs1;
+        widen(top, top + height, 2, H, &ys0, &ys1);
+        widen(left, left + width, 2, W, &xs0, &xs1);
         const Grid *g = &job->grid;
         job->y0 = (unsigned)(ys0 * denom);
         job->x0 = (unsigned)(xs0 * denom);

@@ -415,7 +415,6 @@ def test_failed_pin_warns_falls_back_and_leaves_no_pending_cuda_error():
     a = np.zeros(1 << 20, np.uint8)
     pinned = loader_mod._pin(a)
     assert torch.from_numpy(pinned).is_pinned()
-    loader_mod._warned.clear()
     with pytest.warns(RuntimeWarning, match="cudaHostRegister"):
         again = loader_mod._pin(a)
     assert again is a

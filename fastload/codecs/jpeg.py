@@ -44,7 +44,7 @@ def encode(img: np.ndarray, *, quality: int = 90, restart: bool = True) -> bytes
     if not 1 <= int(quality) <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
     params = [cv2.IMWRITE_JPEG_QUALITY, int(quality), cv2.IMWRITE_JPEG_OPTIMIZE, 1]
-    if restart and hasattr(cv2, "IMWRITE_JPEG_RST_INTERVAL"):  # OpenCV >= 4.5
+    if restart:
         params += [cv2.IMWRITE_JPEG_RST_INTERVAL, restart_interval(img.shape[1])]
     return imencode_rgb(img, ".jpg", params)
 

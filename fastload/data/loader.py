@@ -210,7 +210,7 @@ def _pin(a: np.ndarray) -> np.ndarray:
     pointer) when its last view dies, before the memory is unmapped or freed: registered memory
     that is unmapped stays in the driver's table, and a later mapping at the same address then
     fails to register. Without CUDA, returns ``a`` unchanged. If the driver refuses (a memlock
-    limit, a container without the right), warns once and returns ``a``: copies from pageable
+    limit, a container without the right), warns and returns ``a``: copies from pageable
     memory are slower but correct.
     """
     import torch
@@ -221,8 +221,10 @@ def _pin(a: np.ndarray) -> np.ndarray:
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, a.nbytes, 0))
     if err != 0:  # pragma: no cover - needs a GPU (tests/test_loader.py::test_failed_pin_* runs it there)
         _drain_cuda_error()
-        _warn_once(f"cudaHostRegister of a {a.nbytes}-byte batch slot failed (CUDA error {err}); batches "
-                   "stay in pageable memory, so host-to-GPU copies are slower and not asynchronous")
+        # Python's default warning filter shows this once, not once per slot.
+        warnings.warn(f"cudaHostRegister of a {a.nbytes}-byte batch slot failed (CUDA error {err}); batches "
+                      "stay in pageable memory, so host-to-GPU copies are slower and not asynchronous",
+                      RuntimeWarning, stacklevel=2)
         return a
     return np.asarray(_ReleasedLast(a, functools.partial(_unpin, ptr, os.getpid())))
 
@@ -236,15 +238,6 @@ def _unpin(ptr: int, pid: int) -> None:
 
     if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:  # pragma: no cover - needs a GPU
         _drain_cuda_error()
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _cudart_paths(maps_lines) -> list[str]:
