@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not another install
 from _results import ensure_pack, table, write_section  # noqa: E402
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
+from fastload.normalization import IMAGENET  # noqa: E402
+
+MEAN, STD = IMAGENET.mean, IMAGENET.std  # for the baseline's own float normalisation
 
 
 # -- (a) the baseline dataset: files, PIL, CPU float normalisation ----------------------------
@@ -189,10 +190,10 @@ def h2d_ms(batch: int, crop: int, device: torch.device, reps: int = 20) -> float
 
     The per-channel constants are built once, as CUDAPrefetcher does (``normalize`` would copy
     them from pageable memory, a stream synchronisation, on every call)."""
-    from fastload.gpu.transforms import apply_scale_shift, scale_shift
+    from fastload.gpu.transforms import apply_scale_shift
 
     scale, shift = (torch.tensor(v, dtype=torch.float32, device=device).view(3, 1, 1)
-                    for v in scale_shift(MEAN, STD, 3))
+                    for v in IMAGENET.scale_shift(3))
     x = torch.randint(0, 256, (batch, 3, crop, crop), dtype=torch.uint8).pin_memory()
 
     def one() -> None:
@@ -278,8 +279,8 @@ def _bench(args, device: torch.device, workers: int, work: Path) -> int:
     if "b" in wanted:
         from fastload.loaders import make_loader
 
-        loader = make_loader(packed, backend="cpu", batch_size=args.batch_size, crop=args.crop, mean=MEAN, std=STD,
-                             device=device, num_workers=workers)
+        loader = make_loader(packed, backend="cpu", batch_size=args.batch_size, crop=args.crop,
+                             normalization=IMAGENET, device=device, num_workers=workers)
         rows.append(run_feeder("(b) fastload + CUDAPrefetcher", loader, step, device,
                                steps=args.steps, warmup=args.warmup, copy_in_loop=False))
         del loader
@@ -290,8 +291,8 @@ def _bench(args, device: torch.device, workers: int, work: Path) -> int:
         try:
             from fastload.loaders import make_loader
 
-            loader = make_loader(packed, backend="dali", batch_size=args.batch_size, crop=args.crop, mean=MEAN,
-                                 std=STD, device=device, num_workers=min(workers, 16))
+            loader = make_loader(packed, backend="dali", batch_size=args.batch_size, crop=args.crop,
+                                 normalization=IMAGENET, device=device, num_workers=min(workers, 16))
             rows.append(run_feeder(name, loader, step, device, steps=args.steps, warmup=args.warmup,
                                    copy_in_loop=False))
         except ImportError as exc:  # DALI not installed: the message says what to pip install

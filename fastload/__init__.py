@@ -20,11 +20,16 @@ _LAZY = {
     "DataLoader": ".data.loader",
     "DecodeError": ".errors",
     "DistributedEpochSampler": ".data.sampler",
+    "EpochPlan": ".data.plan",
     "FastloadError": ".errors",
     "FormatError": ".errors",
+    "IMAGENET": ".normalization",
     "ImageFolder": ".data.dataset",
     "Manifest": ".schema",
+    "Normalization": ".normalization",
     "OnError": ".config",
+    "OnRecordError": ".data.protocols",
+    "PerformanceWarning": ".data.loader",
     "PackConfig": ".config",
     "PackError": ".errors",
     "PackReader": ".storage",
@@ -70,11 +75,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .codecs import get_codec
     from .data.dataset import ImageFolder
     from .data.collate import collate_uint8
-    from .data.loader import DataLoader, WorkerError
+    from .data.loader import DataLoader, PerformanceWarning, WorkerError
+    from .data.plan import EpochPlan
+    from .data.protocols import OnRecordError
     from .data.sampler import DistributedEpochSampler, epoch_indices
     from .gpu.prefetcher import CUDAPrefetcher
     from .loaders import make_loader
     from .errors import DecodeError, FastloadError, FormatError, PackError
+    from .normalization import IMAGENET, Normalization
     from .sample import make_image_folder
     from .schema import Manifest
     from .storage import PackReader, open_pack

@@ -1,10 +1,10 @@
 """The backend choice in one place: ``make_loader(root, backend="cpu" | "dali", ...)``.
 
 Both backends yield the same thing, ``(images, targets)`` with images float ``(N, 3, crop,
-crop)`` on the device (normalised when mean/std are given, channels_last) and int64 targets,
-and both have ``len()``, ``set_epoch()``, ``state_dict()`` and ``load_state_dict()``. A
-training script switches between CPU decoding (fastload's DataLoader + CUDAPrefetcher) and
-DALI (nvJPEG on the GPU) by changing one argument.
+crop)`` on the device (normalised by one :class:`~fastload.Normalization` when given,
+channels_last) and int64 targets, and both have ``len()``, ``set_epoch()``, ``state_dict()``
+and ``load_state_dict()``. A training script switches between CPU decoding (fastload's
+DataLoader + CUDAPrefetcher) and DALI (nvJPEG on the GPU) by changing one argument.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .checks import check_batch_args
 from .gpu.prefetcher import resolve_device
+from .normalization import Normalization, as_normalization
 
 __all__ = ["Backend", "BatchLoader", "make_loader"]
 
@@ -33,19 +35,10 @@ class BatchLoader(Protocol):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
     def __len__(self) -> int: ...
+    def batches_left(self) -> int: ...
     def set_epoch(self, epoch: int) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def check_batch_args(*, batch_size, crop, resize_ratio) -> None:
-    """Validate the batch geometry both backends take (ValueError naming the bad value)."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if not isinstance(crop, int) or crop < 1:
-        raise ValueError(f"crop must be a positive int, got {crop!r}")
-    if not 0 < resize_ratio <= 1:
-        raise ValueError(f"resize_ratio must be in (0, 1], got {resize_ratio}")
 
 
 def make_loader(
@@ -57,6 +50,7 @@ def make_loader(
     crop: int = 224,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    normalization: Normalization | None = None,
     device: torch.device | str | int | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
@@ -76,6 +70,8 @@ def make_loader(
     ``train=True``: random-resized-crop to ``crop`` and random flip, shuffled, full batches
     only (``shuffle``/``drop_last`` override); ``train=False``: resize the shorter side to
     ``crop / resize_ratio``, centre-crop, in order, keeping the last partial batch.
+    ``normalization`` (or ``mean``/``std`` in 0-1 units; neither: just ``x / 255``) is validated
+    once and passed to either backend, so both normalise alike.
     ``device=None`` means the current CUDA device, or the CPU without CUDA. ``num_workers``
     sets the CPU backend's worker processes (DALI's CPU threads for ``"dali"``).
     ``distributed``: ``None`` reads rank and world size from ``torch.distributed`` when it is
@@ -87,6 +83,7 @@ def make_loader(
     except ValueError:
         raise ValueError(f"backend must be one of {', '.join(b.value for b in Backend)}, got {backend!r}") from None
     check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
+    norm = as_normalization(normalization, mean=mean, std=std)
     dev = resolve_device(device)
     shuffle = train if shuffle is None else bool(shuffle)
     drop_last = train if drop_last is None else bool(drop_last)
@@ -100,7 +97,7 @@ def make_loader(
         return DALILoader(
             root, batch_size, device="gpu" if dev.type == "cuda" else "cpu",
             device_id=dev.index if dev.type == "cuda" else None,
-            shuffle=shuffle, seed=seed, drop_last=drop_last, crop=crop, mean=mean, std=std,
+            shuffle=shuffle, seed=seed, drop_last=drop_last, crop=crop, normalization=norm,
             distributed=distributed, train=train, dtype=dtype, channels_last=channels_last,
             scale=scale, ratio=ratio, resize_ratio=resize_ratio, **extra,
         )
@@ -119,4 +116,4 @@ def make_loader(
         dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
         num_workers=num_workers, distributed=distributed, **extra,
     )
-    return CUDAPrefetcher(loader, dev, mean=mean, std=std, dtype=dtype, channels_last=channels_last, depth=depth)
+    return CUDAPrefetcher(loader, dev, normalization=norm, dtype=dtype, channels_last=channels_last, depth=depth)

@@ -12,6 +12,8 @@ import cv2
 import numpy as np
 import torch
 
+from fastload.normalization import Normalization
+
 
 def write_digits_tree(root: Path, *, size: int = 32) -> tuple[Path, Path]:
     """train/ and val/ ImageFolder trees (a fixed 75/25 split of the 1797 digits)."""
@@ -44,6 +46,7 @@ def pack_digits(root: Path, *, payload: str = "png") -> tuple[Path, Path]:
 
 
 DIGITS_EPOCHS = 6
+DIGITS_NORMALIZATION = Normalization.from_255((128.0,), (64.0,))  # (x - 128) / 64, every channel
 
 
 def digits_recipe(train_loader, val_loader, *, dist=None, seed: int = 0, before_fit=None, **config):
@@ -59,7 +62,7 @@ def digits_recipe(train_loader, val_loader, *, dist=None, seed: int = 0, before_
     model = SmallCNN(num_classes=10, width=16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=DIGITS_EPOCHS * len(train_loader))
-    cfg = train.TrainConfig(mean=(128.0,) * 3, std=(64.0,) * 3, **config)
+    cfg = train.TrainConfig(normalization=DIGITS_NORMALIZATION, **config)
     trainer = train.Trainer(model, opt, scheduler=sched, config=cfg, dist=dist,
                             device=None if dist is not None else "cpu")
     if before_fit is not None:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastload.data.sampler import DistributedEpochSampler, epoch_indices, samples_per_rank
+from fastload.data.plan import EpochPlan
+from fastload.data.sampler import DistributedEpochSampler, epoch_indices
 
 
 @settings(max_examples=200, deadline=None)
@@ -60,7 +61,7 @@ def test_bad_arguments_raise_value_error(kwargs):
 
 def test_sampler_matches_epoch_indices_and_advances_epochs():
     s = DistributedEpochSampler(50, seed=1, rank=1, world_size=3)
-    assert len(s) == samples_per_rank(50, world_size=3, drop_last=False) == 17
+    assert len(s) == EpochPlan(50, world_size=3, rank=1).samples_per_rank() == 17
     first = list(s)
     assert first == epoch_indices(50, seed=1, epoch=0, rank=1, world_size=3).tolist()
     second = list(s)  # a finished epoch moves on by itself
@@ -90,11 +91,13 @@ def test_sampler_resumes_exactly_mid_epoch(n, world, stop, epoch):
 def test_load_state_refuses_a_different_run():
     s = DistributedEpochSampler(10, seed=1)
     with pytest.raises(ValueError, match="seed"):
-        s.load_state_dict({**s.state_dict(), "seed": 2})
-    with pytest.raises(ValueError, match="n="):
-        s.load_state_dict({**s.state_dict(), "n": 11})
-    with pytest.raises(ValueError, match="offset"):
-        s.load_state_dict({**s.state_dict(), "offset": 99})
+        s.load_state_dict({"order": {**s.state_dict()["order"], "seed": 2}})
+    with pytest.raises(ValueError, match="num_samples="):
+        s.load_state_dict({"order": {**s.state_dict()["order"], "num_samples": 11}})
+    with pytest.raises(ValueError, match="shuffle="):
+        s.load_state_dict({"order": {**s.state_dict()["order"], "shuffle": False}})
+    with pytest.raises(ValueError, match="position"):
+        s.load_state_dict({"order": {**s.state_dict()["order"], "position": -1}})
 
 
 @pytest.mark.slow

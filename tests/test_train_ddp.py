@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from _train_helpers import DIGITS_EPOCHS, pack_digits
+from _train_helpers import DIGITS_EPOCHS, DIGITS_NORMALIZATION, pack_digits
 
 HERE = Path(__file__).parent
 
@@ -45,7 +45,7 @@ def _single_process_eval(state, pack: Path) -> dict:
     model = SmallCNN(num_classes=10, width=16)
     model.load_state_dict(state)
     trainer = train.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), device="cpu",
-                            config=train.TrainConfig(mean=(128.0,) * 3, std=(64.0,) * 3))
+                            config=train.TrainConfig(normalization=DIGITS_NORMALIZATION))
     plain = DataLoader(ImageFolder(pack), 16, shuffle=False, num_workers=0, distributed=False)
     made = make_loader(pack, batch_size=16, train=False, crop=32, resize_ratio=1.0, num_workers=0,
                        mean=(0.5,) * 3, std=(0.25,) * 3, distributed=(0, 1), device="cpu")

@@ -176,6 +176,7 @@ def test_check_batch_geometry():
 
 def test_train_config_validates():
     assert train.TrainConfig(precision="bf16").precision is train.Precision.BF16
-    for bad in ({"accum_steps": 0}, {"precision": "fp8"}, {"grad_clip": 0.0}, {"std": (0.0, 1.0, 1.0)}):
+    for bad in ({"accum_steps": 0}, {"precision": "fp8"}, {"grad_clip": 0.0},
+                {"normalization": (0.5, 0.5)}):
         with pytest.raises(ValueError):
             train.TrainConfig(**bad)

@@ -10,6 +10,7 @@ from torch import nn
 
 from fastload import train
 from fastload.errors import FormatError
+from fastload.gpu.transforms import normalize
 from fastload.train.models import SmallCNN
 
 from _train_helpers import DIGITS_EPOCHS, digits_recipe, pack_digits
@@ -337,7 +338,7 @@ def test_cuda_step_keeps_pinned_ring_batches_alive_until_their_copies_ran(digit_
     trainer.train_epoch(loader)
     assert len(seen) == len(expected)
     for i, (got, want) in enumerate(zip(seen, expected)):
-        want = (want.cuda().float() - trainer._mean) * trainer._inv_std
+        want = normalize(want.cuda(), normalization=trainer.config.normalization)
         assert torch.equal(got, want), f"batch {i} was overwritten before its copy ran"
 
 
@@ -382,7 +383,7 @@ def test_evaluate_is_eval_mode_without_grad_and_leaves_bn_statistics_alone():
     assert model.training, "evaluate restores training mode"
     with torch.no_grad():
         model.eval()
-        logits = torch.cat([model((x.float() - trainer._mean) * trainer._inv_std) for x, _ in data])
+        logits = torch.cat([model(normalize(x, normalization=trainer.config.normalization)) for x, _ in data])
         model.train()
     labels = torch.cat([y for _, y in data])
     assert ev.acc1 == pytest.approx((logits.argmax(1) == labels).float().mean().item())

@@ -63,8 +63,8 @@ def main(argv=None) -> int:
 
     from fastload import train
     from fastload.errors import FastloadError
-    from fastload.gpu.transforms import IMAGENET_MEAN, IMAGENET_STD
     from fastload.loaders import make_loader
+    from fastload.normalization import IMAGENET
     from fastload.storage import open_pack
 
     info = None
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         if args.checkpoint_blocks and args.compile:
             raise ValueError("--checkpoint-blocks and --compile together are not supported; pick one")
 
-        common = dict(backend=args.backend, crop=args.crop, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+        common = dict(backend=args.backend, crop=args.crop, normalization=IMAGENET,
                       device=info.device, seed=args.seed, num_workers=args.workers,
                       channels_last=args.channels_last)
         train_loader = make_loader(args.data / "train", batch_size=args.batch_size, train=True,

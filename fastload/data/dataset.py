@@ -20,7 +20,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -29,8 +29,9 @@ from ..codecs import jpeg as _jpeg
 from ..codecs import jpegcrop as _jpegcrop
 from ..errors import DecodeError, FastloadError, FormatError
 from ..storage import PackReader, open_pack
-from .draws import BatchDraws, SampleDraws
-from .transforms import Compose, Plan, as_compose, fixed_output_hw
+from .draws import SUBSTITUTE_CANDIDATES, BatchDraws, SampleDraws, substitute_index
+from .protocols import OnRecordError, Replacement
+from .transforms import Compose, Normalize, Plan, ToTensor, Transform, as_compose, fixed_output_hw
 
 IMAGE_TYPES = ("numpy", "tensor", "pil")
 DECODERS = ("auto", "cv2", "simplejpeg", "jpeg4py", "pil", "turbo-crop")
@@ -158,11 +159,30 @@ class ImageFolder:
         self.epoch = int(epoch)
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
+        img, target, _ = self.get(i, epoch=self.epoch, seed=self.seed)
+        return img, target
+
+    def get(self, i: int, *, epoch: int, seed: int, on_error: str = "raise") -> tuple[Any, Any, Replacement | None]:
+        """``(image, target, replacement)`` of sample ``i`` augmented for ``epoch`` and ``seed``:
+        what ``dataset[i]`` gives, without reading or changing :attr:`epoch`/:attr:`seed` (so a
+        loader never mutates the user's dataset). ``on_error`` as in :meth:`fill_batch`;
+        ``replacement`` says which sample was served instead of a corrupt one, else None."""
+        skip = on_error_skips(on_error)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"index {i} out of range for a dataset of {n}")
         i = int(i) % n
-        img = self.load(i, epoch=self.epoch)
+        replacement = None
+        try:
+            img = self.load(i, epoch=epoch, seed=seed)
+        except (DecodeError, FormatError) as exc:
+            if not skip:
+                raise
+            s, img = first_substitute(
+                i, n, seed=seed, epoch=epoch, error=exc, attempt=lambda s: self.load(s, epoch=epoch, seed=seed)
+            )
+            replacement = Replacement(index=i, substitute=s, epoch=int(epoch), reason=str(exc))
+            i = s  # the substitute's label goes with its image
         if self.image_type == "tensor" and isinstance(img, np.ndarray):
             import torch
 
@@ -173,7 +193,7 @@ class ImageFolder:
             img = Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img)
         if self.transform is not None and self._fast is None:
             img = self.transform(img)
-        return img, self._target(i)
+        return img, self._target(i), replacement
 
     def __repr__(self) -> str:
         return (
@@ -223,30 +243,41 @@ class ImageFolder:
 
         Errors name the shard file, the record in it and its source path.
         """
-        buf = self.reader.get(i)
+        try:
+            buf = self.reader.get(i)
+        except (FormatError, OSError) as exc:
+            raise self._read_error(i, exc) from None
         try:
             if self.payload == "jpeg":
                 return _jpeg.decode(buf, backend=self.decoder, reduce=reduce, fast=self.fast_decode)
             if self.payload == "original":
                 return self._decode_original(buf, reduce)
             return self._codec.decode(buf, shape=tuple(self._shapes[i]))
-        except Exception as exc:
+        except MemoryError:  # not about the record: on_error="skip" must not hide it
+            raise
+        except Exception as exc:  # decoders fail on bad bytes with many types (cv2.error, OSError, ...)
             raise self._decode_error(i, exc) from None
 
     def _decode_error(self, i: int, exc: Exception) -> DecodeError:
-        k, j = self.reader.locate(i)
         return DecodeError(
-            f"{self.reader.shard_path(k)}: record {j} (dataset index {i}, source {self.path(i)!r}) "
-            f"could not be decoded as {self.payload}: {exc}"
+            f"{describe_record(self.reader, i, source=self.path(i))} could not be decoded as {self.payload}: {exc}"
         )
+
+    def _read_error(self, i: int, exc: Exception) -> FormatError:
+        """A storage failure (damaged LMDB page, HDF5 read error) as an error naming the record."""
+        return FormatError(f"{describe_record(self.reader, i, source=self.path(i))} could not be read: {exc}")
 
     def _run_plan(self, i: int, plan: Plan, hw: tuple[int, int], dst: np.ndarray | None = None) -> np.ndarray:
         """Decode record ``i`` and run ``plan`` on it. With turbo-crop only the plan's box is
         decoded (same pixels as cutting it from a full decode at the same scale)."""
         reduce = plan.reduce_for(hw) if self.dct_reduce else 1
         if self.decoder == "turbo-crop":
-            buf = self.reader.get(i)
+            try:
+                buf = self.reader.get(i)
+            except (FormatError, OSError) as exc:
+                raise self._read_error(i, exc) from None
             if self.payload == "jpeg" or _plain_jpeg(buf):
+                crop = None
                 try:
                     if self.payload == "original":  # the header, not the index, sizes the source
                         H, W = _jpegcrop.scaled_hw(*_jpegcrop.header(buf)[:2], reduce)
@@ -257,9 +288,12 @@ class ImageFolder:
                         # Into a reused buffer when the crop is resized into dst at once.
                         out = None if dst is None else _jpegcrop.scratch(_jpegcrop.out_bytes(bh, bw))
                         crop = _jpegcrop.decode_crop(buf, (t, l, bh, bw), reduce=reduce, out=out, fast=self.fast_decode)
-                        return plan.finish(crop, dst=dst)
+                except MemoryError:
+                    raise
                 except Exception as exc:
                     raise self._decode_error(i, exc) from None
+                if crop is not None:  # outside the try: a resize bug is not a corrupt record
+                    return plan.finish(crop, dst=dst)
             # a box reaching outside the image (padding), or an original that is not a plain JPEG
         return plan.execute(self.decode(i, reduce=reduce), hw, dst=dst)
 
@@ -310,24 +344,86 @@ class ImageFolder:
         return (hw[0], hw[1], channels)
 
     def fill_batch(
-        self, indices: np.ndarray, images: np.ndarray, targets: np.ndarray, *, epoch: int, seed: int | None = None
-    ) -> None:
+        self, indices: np.ndarray, images: np.ndarray, targets: np.ndarray, *, epoch: int, seed: int | None = None,
+        on_error: str = "raise",
+    ) -> list[Replacement] | None:
         """Decode, crop and resize samples ``indices`` straight into ``images[j]`` (N, H, W, C
         uint8) and their labels into ``targets[j]``: no per-sample array survives. Pixels are
-        the same as ``load(i, epoch=epoch)`` gives."""
+        the same as ``load(i, epoch=epoch, seed=seed)`` gives.
+
+        A record that cannot be read or decoded (:class:`DecodeError`/:class:`FormatError`
+        naming its shard, record and source) stops the batch with ``on_error="raise"``. With
+        ``"skip"`` its slot gets the first readable of its substitutes
+        (:func:`~fastload.data.draws.substitute_index`: deterministic, so a rerun or resume serves
+        the same batch), with that sample's own augmentation and label; returns one
+        :class:`Replacement` per replaced slot, None when there was none.
+        """
+        skip = on_error_skips(on_error)
         fast = self._fast
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        draws = BatchDraws(self.seed if seed is None else seed, epoch, idx) if fast is not None else None
+        seed = self.seed if seed is None else int(seed)
+        draws = BatchDraws(seed, epoch, idx) if fast is not None else None
         shapes = self._shapes[idx, :2].tolist()  # per batch, not per sample: numpy indexing costs
+        replaced: list[Replacement] | None = None
         for j, (i, hw) in enumerate(zip(idx.tolist(), shapes)):
             hw = (hw[0], hw[1])
             plan = fast.plan(hw, draws.sample(j)) if draws is not None else Plan.identity(hw)
-            self._run_plan(i, plan, hw, dst=images[j])
+            try:
+                self._run_plan(i, plan, hw, dst=images[j])
+            except (DecodeError, FormatError) as exc:
+                if not skip:
+                    raise
+                if replaced is None:
+                    replaced, idx = [], idx.copy()  # idx[j] becomes what slot j serves (for its label)
+                s, _ = first_substitute(
+                    i, len(self), seed=seed, epoch=epoch, error=exc,
+                    attempt=lambda s, dst=images[j]: self._fill_slot(s, dst, epoch=epoch, seed=seed),
+                )
+                idx[j] = s
+                replaced.append(Replacement(index=i, substitute=s, epoch=int(epoch), reason=str(exc)))
         if self.target_transform is None:
             targets[: len(idx)] = self._labels[idx]
         else:
             for j, i in enumerate(idx.tolist()):
                 targets[j] = self._target(i)
+        return replaced
+
+    def _fill_slot(self, i: int, dst: np.ndarray, *, epoch: int, seed: int) -> None:
+        """Sample ``i`` into batch slot ``dst`` with its own draws (a substitute's fill)."""
+        hw = self.stored_hw(i)
+        fast = self._fast
+        plan = fast.plan(hw, self._rng(epoch, i, seed)) if fast is not None else Plan.identity(hw)
+        self._run_plan(i, plan, hw, dst=dst)
+
+    def ring_blocker(self) -> str | None:
+        """Why :meth:`batch_image_shape` is None, so the DataLoader decodes sample by sample:
+        one sentence naming the transform (or the pack) responsible and what to do instead.
+        None when batches are filled in place. (``image_type`` plays no part: the ring path
+        fills uint8 arrays whatever it is.)"""
+        if self.batch_image_shape() is not None:
+            return None
+        if self.transform is None:
+            if not len(self):
+                return f"{self.root} holds no images"
+            sizes = np.unique(self._shapes, axis=0)[:3].tolist()
+            shown = ", ".join(f"{h}x{w}x{c}" for h, w, c in sizes)
+            return (
+                f"the pack's images have different sizes ({shown}, ...): add a transform that fixes the size "
+                "(fastload.transforms.RandomResizedCrop or Resize + CenterCrop), or pack with --size HxW"
+            )
+        fast = self._fast
+        if fast is None:
+            return (
+                f"transform {_transform_name(self.transform)} is not a fastload transform: a torchvision/other "
+                "callable transform runs per sample: use fastload.transforms for geometric ops"
+            )
+        if not fast.geometric:
+            return _per_sample_reason(fast)
+        names = ", ".join(_transform_name(t) for t in _flat(fast.transforms))
+        return (
+            f"the output size of {names} depends on each image's stored size (Resize(int) keeps the aspect "
+            "ratio): add a CenterCrop or RandomResizedCrop so every sample has one size"
+        )
 
     # -- pickling -------------------------------------------------------------------------
 
@@ -340,6 +436,96 @@ class ImageFolder:
         self.__dict__.update(state)
         if self.in_memory:  # a spawned worker or another process: count as a user of the copy
             _copy_to_shm(self.root)
+
+
+# -- corrupt records: naming them, the policy, substitutes (shared with gpu/dali.py) ----------
+
+_T = TypeVar("_T")
+
+
+def on_error_skips(on_error: str) -> bool:
+    """Whether the corrupt-record policy ``on_error`` (:class:`OnRecordError`) is "skip".
+    Two string compares, so readers can check it per sample; ValueError for anything else."""
+    if on_error == "skip":  # an OnRecordError member compares equal to its value
+        return True
+    if on_error == "raise":
+        return False
+    allowed = ", ".join(repr(e.value) for e in OnRecordError)
+    raise ValueError(f"on_error must be one of {allowed}, got {on_error!r}")
+
+
+def describe_record(reader: PackReader, i: int, *, source: str | None = None) -> str:
+    """``"<shard file>: record <j> (dataset index <i>, source '<path>')"``: how every error about
+    one record names it, so the user can find the shard, the record in it and its source image.
+    ``source`` defaults to the pack's recorded source folder joined with the record's path."""
+    k, j = reader.locate(i)
+    if source is None:
+        rel = reader.index.paths[i]
+        root = reader.manifests[0].source
+        source = os.path.join(root, rel) if root else rel
+    return f"{reader.shard_path(k)}: record {j} (dataset index {i}, source {source!r})"
+
+
+def first_substitute(
+    i: int, n: int, *, seed: int, epoch: int, error: Exception, attempt: Callable[[int], _T]
+) -> tuple[int, _T]:
+    """``(s, attempt(s))`` for the first substitute ``s`` of corrupt record ``i`` (of ``n``) that
+    reads: candidates from :func:`~fastload.data.draws.substitute_index`, tried in order, one
+    that fails too (DecodeError/FormatError) is passed over. ``error`` is record ``i``'s; when
+    every candidate fails, a DecodeError repeats it and says the substitutes failed too."""
+    tried: list[int] = []
+    for k in range(SUBSTITUTE_CANDIDATES if n > 1 else 0):
+        s = substitute_index(seed, epoch, i, k, n)
+        try:
+            return s, attempt(s)
+        except (DecodeError, FormatError):
+            tried.append(s)
+    if not tried:
+        raise DecodeError(f"{error}; on_error='skip' found no other record to serve in its place") from None
+    raise DecodeError(
+        f"{error}; on_error='skip' tried {len(tried)} substitutes for it (dataset indices "
+        f"{', '.join(map(str, tried))}) and none could be read either (is the pack damaged? run fastload verify)"
+    ) from None
+
+
+def _transform_name(t: Any) -> str:
+    """``fastload.transforms.Normalize`` for fastload's own, ``module.Class`` for the rest."""
+    cls = type(t)
+    module = "fastload.transforms" if cls.__module__ == Transform.__module__ else cls.__module__
+    return f"{module}.{cls.__qualname__}"
+
+
+def _flat(transforms: Sequence[Any]) -> list[Any]:
+    """The transforms of a pipeline with nested fastload Composes opened up."""
+    out: list[Any] = []
+    for t in transforms:
+        out.extend(_flat(t.transforms) if isinstance(t, Compose) else [t])
+    return out
+
+
+def _per_sample_reason(fast: Compose) -> str:
+    """:meth:`ImageFolder.ring_blocker` for a fastload pipeline with non-geometric steps."""
+    steps = [t for t in _flat(fast.transforms) if not getattr(t, "geometric", False)]
+    if not steps:
+        return "the transform is an empty Compose: pass transform=None"
+    foreign = [t for t in steps if not isinstance(t, Transform)]
+    floats = [t for t in steps if isinstance(t, (Normalize, ToTensor))]
+    other = [t for t in steps if isinstance(t, Transform) and not isinstance(t, (Normalize, ToTensor))]
+
+    def names(ts: list[Any]) -> str:
+        return " and ".join(dict.fromkeys(_transform_name(t) for t in ts))  # once each, in order
+
+    reasons = []
+    if foreign:
+        reasons.append(f"{names(foreign)} in the Compose: a torchvision/other callable transform runs per sample: "
+                       "use fastload.transforms for geometric ops")
+    if floats:
+        reasons.append(f"{names(floats)} runs per sample on float images: drop it and normalise on the GPU "
+                       "(CUDAPrefetcher / fastload.Normalization)")
+    if other:
+        reasons.append(f"{names(other)} runs per sample on each decoded image: drop it, or do its work on the "
+                       "GPU on whole batches")
+    return "; ".join(reasons)
 
 
 def _plain_jpeg(buf) -> bool:

@@ -27,19 +27,24 @@ __all__ = [
     "STREAM_CROP",
     "STREAM_FLIP",
     "STREAM_STEP",
+    "STREAM_SUBSTITUTE",
+    "SUBSTITUTE_CANDIDATES",
     "BatchDraws",
     "SampleDraws",
     "crop_boxes",
     "flip_flags",
     "rrc_box",
     "rrc_boxes",
+    "substitute_index",
     "take",
     "uniform",
 ]
 
 STREAM_FLIP = 1
 STREAM_CROP = 2
+STREAM_SUBSTITUTE = 3  # which records stand in for a corrupt one (not an augmentation)
 STREAM_STEP = 64
+SUBSTITUTE_CANDIDATES = 8  # substitutes tried for a corrupt record before giving up
 RRC_ATTEMPTS = 10  # torchvision's number of tries before the centre-crop fallback
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -68,6 +73,23 @@ def uniform(seed: int, epoch: int, indices: Any, *, stream: int, draws: int = 1)
         bits = _mix64(base + j * _GOLDEN)
     # The top 53 bits make an exactly representable double in [0, 1).
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def substitute_index(seed: int, epoch: int, i: int, k: int, n: int) -> int:
+    """Candidate ``k`` (0, 1, ...) among the ``n`` records to serve in place of corrupt record
+    ``i`` in ``epoch``: uniform over every index but ``i``, and a pure function of
+    ``(seed, epoch, i, k)``, so every worker count and backend (CPU loader, DALI) picks the same
+    substitute."""
+    n, i, k = int(n), int(i), int(k)
+    if n < 2:
+        raise ValueError(f"a dataset of {n} record(s) has no other record to substitute")
+    if not 0 <= i < n:
+        raise ValueError(f"record {i} out of range for a dataset of {n}")
+    if k < 0:
+        raise ValueError(f"candidate number must be >= 0, got {k}")
+    u = uniform(seed, epoch, [i], stream=STREAM_SUBSTITUTE, draws=k + 1)[0, k]
+    j = min(int(u * (n - 1)), n - 2)  # guard the float product against rounding up to n - 1
+    return j + 1 if j >= i else j
 
 
 # -- RandomResizedCrop's box, from 4 numbers per attempt --------------------------------------

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence, Union
 import cv2
 import numpy as np
 
+from ..normalization import Normalization
 from .draws import RRC_ATTEMPTS, STREAM_CROP, STREAM_FLIP, SampleDraws, rrc_box, take
 from .resize import _ext as _resize_ext
 from .resize import resize as resize_into
@@ -338,25 +339,28 @@ class CenterCrop(Transform):
 
 
 class Normalize(Transform):
-    """``(img / 255 - mean) / std`` as float32 HWC, for CPU-only training. ``mean`` and
-    ``std`` are in [0, 1] units, as torchvision's (which applies after ToTensor). The fast
-    path normalises on the GPU instead, after a 4x smaller uint8 copy."""
+    """``(img / 255 - mean) / std`` as float32 HWC, for CPU-only training: ``Normalize(mean,
+    std)`` in 0-1 units, as torchvision's (which applies after ToTensor), or
+    ``Normalize(fastload.Normalization(...))``. The arithmetic is the GPU ``normalize``'s, so
+    both give the same floats. The fast path normalises on the GPU instead, after a 4x smaller
+    uint8 copy."""
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float]):
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
-        if len(self.mean) != len(self.std):
-            raise ValueError("Normalize: mean and std must have the same length")
-        if any(s == 0 for s in self.std):
-            raise ValueError("Normalize: std must not contain 0")
-        self._scale = (1.0 / (255.0 * np.asarray(self.std))).astype(np.float32)
-        self._shift = (-np.asarray(self.mean) / np.asarray(self.std)).astype(np.float32)
+    def __init__(self, mean: Sequence[float] | Normalization, std: Sequence[float] | None = None):
+        if isinstance(mean, Normalization) != (std is None):
+            raise ValueError("Normalize takes mean and std (0-1 units), or one fastload.Normalization")
+        if not isinstance(mean, Normalization):
+            mean = Normalization(mean, std)  # type: ignore[arg-type]  # validated and made tuples there
+        self.normalization = mean
+        self.mean, self.std = self.normalization.mean, self.normalization.std
+        self._consts: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # channels -> (scale, shift)
 
     def apply(self, img, rng):
         a = _as_hwc(img)
-        if a.shape[2] != len(self.mean):
-            raise ValueError(f"Normalize: {len(self.mean)} channel means for a {a.shape[2]}-channel image")
-        return a.astype(np.float32) * self._scale + self._shift
+        consts = self._consts.get(a.shape[2])
+        if consts is None:
+            scale, shift = self.normalization.scale_shift(a.shape[2])
+            consts = self._consts[a.shape[2]] = (np.asarray(scale, np.float32), np.asarray(shift, np.float32))
+        return a.astype(np.float32) * consts[0] - consts[1]
 
 
 class ToTensor(Transform):

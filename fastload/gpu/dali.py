@@ -3,8 +3,9 @@
 The pack's records reach DALI through ``fn.external_source`` in *parallel batch mode*: a
 small picklable callable (:class:`PackBatchSource`) runs in DALI's Python worker processes
 and returns the encoded bytes and labels of one batch. It is a pure function of
-``(epoch, batch number)``; the order comes from :func:`fastload.data.sampler.epoch_indices`,
-so DALI reads exactly the samples fastload's own DataLoader would on each rank and epoch.
+``(epoch, batch number)``; the order comes from the same :class:`~fastload.data.plan.EpochPlan`
+as fastload's own DataLoader, so DALI reads exactly the samples it would on each rank and
+epoch, and resumes from the same (elastic) positions.
 Decoding (``device="mixed"``: nvJPEG), random-resized-crop, flip and normalisation run in
 DALI; a ``DALIGenericIterator`` hands the results to PyTorch as ``(images, targets)``.
 
@@ -31,10 +32,11 @@ import numpy as np
 
 from ..config import usable_cpus
 from ..data.draws import crop_boxes, flip_flags
-from ..data.loader import _resolve_distributed
-from ..data.position import EpochPosition
-from ..data.sampler import epoch_indices, padded_per_rank, samples_per_rank
+from ..checks import check_batch_args, resolve_distributed
+from ..data.order import Order
+from ..data.plan import EpochPlan
 from ..errors import FormatError, require
+from ..normalization import SCALE_ONLY, Normalization, as_normalization
 from ..storage import open_pack
 
 __all__ = ["DALILoader", "PackBatchSource", "dali_available"]
@@ -61,9 +63,9 @@ class PackBatchSource:
     """The external-source callable: batch ``info.iteration`` of epoch ``base_epoch + info.epoch_idx``.
 
     Stateless apart from caches, as DALI's parallel mode requires: it pickles small (the pack
-    reader opens its files lazily in each worker) and computes the epoch's order with
-    :func:`epoch_indices`, cached for the current epoch. ``start_batch`` skips the batches a
-    resumed job had already consumed (first epoch of this pipeline only).
+    reader opens its files lazily in each worker) and takes the epoch's order from ``plan``,
+    cached for the current epoch. The pipeline's first epoch starts at global position
+    ``start`` (a resumed job's position); later ones from their beginning.
     """
 
     def __init__(
@@ -72,14 +74,9 @@ class PackBatchSource:
         *,
         labels: np.ndarray,
         shapes: np.ndarray | None,
-        batch_size: int,
-        seed: int,
-        shuffle: bool,
-        rank: int,
-        world_size: int,
-        drop_last: bool,
+        plan: EpochPlan,
         base_epoch: int = 0,
-        start_batch: int = 0,
+        start: int = 0,
         hw: np.ndarray | None = None,
         scale: tuple[float, float] | None = None,
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
@@ -88,14 +85,12 @@ class PackBatchSource:
         self.root = Path(root)
         self.labels = np.ascontiguousarray(labels, dtype=np.int64)
         self.shapes = None if shapes is None else np.ascontiguousarray(shapes, dtype=np.int32)
-        self.batch_size = int(batch_size)
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.drop_last = bool(drop_last)
+        if plan.num_samples != len(self.labels):
+            raise ValueError(f"PackBatchSource: a plan of {plan.num_samples} samples for {len(self.labels)} records")
+        self.plan = plan
+        self.seed = plan.seed
         self.base_epoch = int(base_epoch)
-        self.start_batch = int(start_batch)
+        self.start = int(start)
         # Training augmentation (``scale`` set): each record's stored (h, w) sizes its crop box.
         self.hw = None if hw is None else np.ascontiguousarray(hw, dtype=np.int64)
         self.scale = None if scale is None else (float(scale[0]), float(scale[1]))
@@ -104,7 +99,7 @@ class PackBatchSource:
         if self.scale is not None and (self.hw is None or len(self.hw) != len(self.labels)):
             raise ValueError("PackBatchSource: training augmentation needs the stored (h, w) of every record")
         self._pack = None
-        self._cached: tuple[int, np.ndarray] | None = None
+        self._cached: tuple[int, int, np.ndarray] | None = None
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -112,26 +107,17 @@ class PackBatchSource:
         state["_cached"] = None
         return state
 
-    def indices(self, epoch: int) -> np.ndarray:
-        if self._cached is None or self._cached[0] != epoch:
-            idx = epoch_indices(
-                len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                rank=self.rank, world_size=self.world_size, drop_last=self.drop_last,
-            )
-            self._cached = (epoch, idx)
-        return self._cached[1]
-
-    def num_batches(self) -> int:
-        per_rank = samples_per_rank(len(self.labels), world_size=self.world_size, drop_last=self.drop_last)
-        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+    def indices(self, epoch: int, start: int = 0) -> np.ndarray:
+        if self._cached is None or self._cached[:2] != (epoch, start):
+            self._cached = (epoch, start, self.plan.indices(epoch, start))
+        return self._cached[2]
 
     def batch_indices(self, epoch_idx: int, iteration: int) -> np.ndarray:
         """Dataset indices of one batch; raises StopIteration past the epoch's end."""
-        b = iteration + (self.start_batch if epoch_idx == 0 else 0)
-        if b >= self.num_batches():
+        start = self.start if epoch_idx == 0 else 0
+        if iteration >= self.plan.num_batches(start):
             raise StopIteration
-        idx = self.indices(self.base_epoch + epoch_idx)
-        return idx[b * self.batch_size : (b + 1) * self.batch_size]
+        return self.plan.batch(self.indices(self.base_epoch + epoch_idx, start), iteration)
 
     def augment(self, epoch: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Crop windows ``(top, left)`` and ``(bottom, right)`` in pixels of the stored image
@@ -173,8 +159,9 @@ class DALILoader:
     ``device="gpu"``: nvJPEG (``decoders.image(device="mixed")``) and GPU augmentation on CUDA
     device ``device_id`` (default: the current one); outputs are CUDA tensors. ``device="cpu"``:
     a CPU-only pipeline (``device_id=None``), CPU tensors. Images come out as ``(N, 3, crop,
-    crop)`` float (``dtype``), normalised with ``mean``/``std`` (0..1 scale; without them scaled
-    to 0..1), in channels_last memory format unless ``channels_last=False``; targets are int64.
+    crop)`` float (``dtype``), normalised with ``normalization`` (a :class:`fastload.Normalization`,
+    or ``mean``/``std`` in 0-1 units; without them scaled to 0..1), in channels_last memory format
+    unless ``channels_last=False``; targets are int64.
 
     ``train=True``: random-resized-crop (``scale``, ``ratio``) and a random flip; ``train=False``:
     resize the shorter side to ``crop / 0.875`` and centre-crop. ``len()`` is the number of
@@ -196,6 +183,7 @@ class DALILoader:
         crop: int = 224,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        normalization: Normalization | None = None,
         num_threads: int | None = None,
         distributed: tuple[int, int] | None = None,
         train: bool = True,
@@ -214,8 +202,6 @@ class DALILoader:
         self._dali_mod = _dali()
         if device not in ("gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        from ..loaders import check_batch_args
-
         check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
         if not (0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {scale}")
@@ -248,16 +234,15 @@ class DALILoader:
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.resize_ratio = float(resize_ratio)
         # the same convention as fastload.DataLoader (None: from torch.distributed if initialised)
-        self.rank, self.world_size = _resolve_distributed(distributed)
+        self.rank, self.world_size = resolve_distributed(distributed)
         self.num_threads = int(num_threads) if num_threads else max(1, min(8, usable_cpus()))
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
         self.prefetch_queue_depth = int(prefetch_queue_depth)
 
-        from ..gpu.transforms import _channel_vector
-
-        self.mean = _channel_vector(mean, "mean", 3) or (0.0, 0.0, 0.0)
-        self.std = _channel_vector(std, "std", 3) or (1.0, 1.0, 1.0)
+        self.normalization = as_normalization(normalization, mean=mean, std=std)
+        rgb = (self.normalization or SCALE_ONLY).broadcast(3)  # the pipeline decodes to RGB
+        self.mean, self.std = rgb.mean, rgb.std
 
         pack = open_pack(self.root)
         if pack.payload not in _DECODABLE and pack.payload != "raw":
@@ -272,65 +257,66 @@ class DALILoader:
             raise FormatError(f"{self.root}: raw records must be RGB (H, W, 3) for the DALI pipeline")
         pack.close()
         self.num_samples = len(self._labels)
+        self.order = Order(EpochPlan(self.num_samples, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                                     rank=self.rank, world_size=self.world_size, drop_last=drop_last))
         if len(self) == 0:
             raise ValueError(
                 f"{self.root}: {self.num_samples} samples over {self.world_size} rank(s) make no "
                 f"batch of {batch_size}" + (" with drop_last=True" if drop_last else "")
             )
 
-        self._pos = EpochPosition()  # the epoch, and batches of it handed to the caller
         self._pipe = None
         self._iter = None
         self._pipe_next: tuple[int, int] | None = None  # (epoch, offset) the pipeline yields next
 
     # -- epoch bookkeeping ---------------------------------------------------------------
-    def _source(self, base_epoch: int, start_batch: int) -> PackBatchSource:
+    def _source(self, base_epoch: int, start: int) -> PackBatchSource:
         return PackBatchSource(
-            self.root, labels=self._labels, shapes=self._shapes, batch_size=self.batch_size,
-            seed=self.seed, shuffle=self.shuffle, rank=self.rank, world_size=self.world_size,
-            drop_last=self.drop_last, base_epoch=base_epoch, start_batch=start_batch,
+            self.root, labels=self._labels, shapes=self._shapes, plan=self.order.plan,
+            base_epoch=base_epoch, start=start,
             hw=self._hw, scale=self.scale if self.train else None, ratio=self.ratio,
         )
 
+    @property
+    def plan(self) -> EpochPlan:
+        return self.order.plan
+
     def __len__(self) -> int:
-        return self._source(0, 0).num_batches()
+        """Batches per epoch on this rank (a resumed epoch has :meth:`batches_left` of them left)."""
+        return len(self.order)
+
+    def batches_left(self) -> int:
+        """Batches this rank still gets in the current epoch."""
+        return self.order.batches_left()
 
     @property
     def num_padded(self) -> int:
         """How many of this rank's samples per epoch repeat other ranks' (the DDP padding,
         last in the epoch); :meth:`fastload.train.Trainer.evaluate` leaves them out. The same
         as fastload's DataLoader."""
-        return padded_per_rank(self.num_samples, rank=self.rank, world_size=self.world_size,
-                               drop_last=self.drop_last)
+        return self.plan.num_padded()
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
-        """The dataset indices this rank reads in ``epoch``, in batch order."""
-        return self._source(0, 0).indices(self._pos.epoch if epoch is None else int(epoch))
+        """The dataset indices this rank reads in ``epoch`` (default: the current pass), in batch order."""
+        return self.order.indices(epoch)
 
     @property
     def epoch(self) -> int:
-        return self._pos.epoch
+        return self.order.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next (from its start, unless a loaded state resumes it)."""
-        self._pos.set_epoch(epoch)
-
-    def _identity(self) -> dict:
-        return {
-            "seed": self.seed, "batch_size": self.batch_size, "num_samples": self.num_samples,
-            "world_size": self.world_size, "rank": self.rank, "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-        }
+        self.order.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """Where the caller is: epoch and batches consumed in it (the same keys as fastload's
-        DataLoader, so a checkpoint names the position the same way for both backends)."""
-        return self._pos.state_dict(num_batches=len(self), identity=self._identity())
+        """``{"order": ...}``, the same shape as fastload's DataLoader: a checkpoint names the
+        position the same way for both backends, in global samples (elastic over world sizes)."""
+        return {"order": self.order.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume right after the batches recorded in ``state``; refuses a state from a
-        different dataset, seed, world size or batch size."""
-        self._pos.load_state_dict(state, num_batches=len(self), identity=self._identity())
+        """Resume right after the position in ``state`` (from this loader, fastload's, or a
+        prefetcher around one); refuses a state from a different dataset, seed or order."""
+        self.order.load_state_dict(state, what="DALILoader")
 
     # -- the pipeline --------------------------------------------------------------------
     def _start_method(self) -> str:
@@ -339,19 +325,19 @@ class DALILoader:
         # no open LMDB/HDF5 state. The callable pickles small, so spawning costs ~1 s per build.
         return self.py_start_method or "spawn"
 
-    def _build(self, base_epoch: int, start_batch: int) -> None:
+    def _build(self, base_epoch: int, start: int) -> None:
         self.close()
         dali = self._dali_mod
         from nvidia.dali import fn, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        source = self._source(base_epoch, start_batch)
+        source = self._source(base_epoch, start)
         gpu = self.device == "gpu"
         raw = self._shapes is not None
         crop = self.crop
         out_dtype = types.FLOAT16 if self.dtype is _torch().float16 else types.FLOAT
-        mean = [m * 255.0 for m in self.mean]
-        std = [s * 255.0 for s in self.std]
+        rgb = (self.normalization or SCALE_ONLY).broadcast(3)
+        mean, std = list(rgb.mean_255), list(rgb.std_255)  # DALI sees 0-255 pixel values
         train = self.train
         resize_to = max(crop, int(round(crop / self.resize_ratio)))
         layout = "HWC" if self.channels_last else "CHW"
@@ -390,7 +376,7 @@ class DALILoader:
             )
             return images, (labels.gpu() if gpu else labels)
 
-        pipe_seed = (self.seed * 1_000_003 + self.rank * 7919 + base_epoch * 104_729 + start_batch) % (2**31 - 1)
+        pipe_seed = (self.seed * 1_000_003 + self.rank * 7919 + base_epoch * 104_729 + start) % (2**31 - 1)
         pipe = dali.Pipeline(
             batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
             seed=pipe_seed, prefetch_queue_depth=self.prefetch_queue_depth,
@@ -404,7 +390,7 @@ class DALILoader:
         self._iter = DALIGenericIterator(
             pipe, ["images", "targets"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True,
         )
-        self._pipe_next = (base_epoch, start_batch)
+        self._pipe_next = (base_epoch, start)
 
     def close(self) -> None:
         """Stop the pipeline and its worker processes (a later iteration starts new ones)."""
@@ -414,32 +400,36 @@ class DALILoader:
         gc.collect()  # DALI shuts the pipeline and its Python workers down when they are collected
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        pos = self._pos
-        if pos.batches >= len(self):  # a resumed state at an epoch's very end
-            pos.next_epoch()
-        if self._iter is None or self._pipe_next != (pos.epoch, pos.batches):
-            self._build(pos.epoch, pos.batches)
+        order = self.order
+        if order.batches_left() <= 0:  # a loaded position at an epoch's very end: an empty pass
+            order.finish(order.epoch)
+            return iter(())
+        order.rebase()  # the pipeline is built for (epoch, global position): no batch offset
+        if self._iter is None or self._pipe_next != (order.epoch, order.start):
+            self._build(order.epoch, order.start)
         return self._run()
 
     def _run(self) -> Iterator[tuple[Any, Any]]:
         torch = _torch()
+        order = self.order
+        epoch = order.epoch
         finished = False
         try:
-            for out in self._iter:
+            for b, out in enumerate(self._iter):
                 d = out[0]
                 images, targets = d["images"], d["targets"]
                 if self.channels_last:
                     images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last
                 if self.dtype is torch.bfloat16:
                     images = images.to(torch.bfloat16)
-                self._pos.batches += 1
+                order.advance(epoch, b)
                 yield images, targets.to(torch.int64).view(-1)
             finished = True
         finally:
             if finished:
                 # auto_reset has already started the pipeline on its next epoch
-                self._pos.next_epoch()
-                self._pipe_next = (self._pos.epoch, 0)
+                order.finish(epoch)
+                self._pipe_next = (order.epoch, 0)
             else:
                 self._pipe_next = None  # broken off mid-epoch: prefetched batches are stale
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from .transforms import _check_dtype, apply_scale_shift, scale_shift
+from ..normalization import Normalization, as_normalization, scale_shift
+from .pinning import HostHold
+from .transforms import _check_dtype, apply_scale_shift
 
 __all__ = ["CUDAPrefetcher", "resolve_device"]
 
@@ -89,8 +91,9 @@ class CUDAPrefetcher:
     """Iterate ``loader``'s batches already on ``device``, images converted and normalised.
 
     Every uint8 tensor of 3 or 4 dims in a batch is taken as images ``(N, C, H, W)``: it is
-    converted to ``dtype``, scaled by 1/255, normalised with ``mean``/``std`` (0..1 scale,
-    like torchvision) and, with ``channels_last``, laid out NHWC in memory. Other tensors
+    converted to ``dtype``, scaled by 1/255, normalised with ``normalization`` (a
+    :class:`fastload.Normalization`, or ``mean``/``std`` in 0-1 units like torchvision's; neither:
+    just ``x / 255``) and, with ``channels_last``, laid out NHWC in memory. Other tensors
     (labels, float tensors) are moved unchanged; non-tensors pass through.
 
     ``device=None`` uses the current CUDA device, or the CPU when CUDA is not available. On
@@ -109,6 +112,7 @@ class CUDAPrefetcher:
         *,
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
+        normalization: Normalization | None = None,
         dtype: torch.dtype = torch.float32,
         channels_last: bool = True,
         depth: int = 2,
@@ -117,10 +121,9 @@ class CUDAPrefetcher:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
         self.loader = loader
         self.device = resolve_device(device)
-        self.mean = None if mean is None else tuple(float(m) for m in mean)
-        self.std = None if std is None else tuple(float(s) for s in std)
-        if self.std is not None and any(s <= 0 for s in self.std):
-            raise ValueError(f"std values must be > 0, got {self.std}")
+        self.normalization = as_normalization(normalization, mean=mean, std=std)
+        self.mean = None if self.normalization is None else self.normalization.mean
+        self.std = None if self.normalization is None else self.normalization.std
         self.dtype = _check_dtype(dtype)
         self.channels_last = bool(channels_last)
         self.depth = depth
@@ -142,17 +145,26 @@ class CUDAPrefetcher:
             raise AttributeError(f"{type(self.loader).__name__} has no set_epoch (nor does its sampler)")
         target.set_epoch(epoch)
 
+    def batches_left(self) -> int:
+        """The loader's batches left in its epoch (between iterations; while one runs, the
+        loader is ``depth`` batches ahead of the consumer)."""
+        if hasattr(self.loader, "batches_left"):
+            return self.loader.batches_left()
+        return len(self)
+
     def state_dict(self) -> dict:
-        """The loader's state as of the last batch this prefetcher handed out."""
+        """``{"source": the loader's state as of the last batch this prefetcher handed out}``:
+        a stage nests its source's state (the prefetcher has none of its own)."""
         if not hasattr(self.loader, "state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no state_dict")
-        return dict(self._state) if self._state is not None else self.loader.state_dict()
+        return {"source": dict(self._state) if self._state is not None else self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the loader from a state of this prefetcher (or a bare loader state)."""
         if not hasattr(self.loader, "load_state_dict"):
             raise AttributeError(f"{type(self.loader).__name__} has no load_state_dict")
         self._state = None
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(state["source"] if "source" in state else state)
 
     def _rewind(self, consumed: dict | None) -> None:
         """Put the loader back to what the consumer received (after an iteration ended early)."""
@@ -171,7 +183,7 @@ class CUDAPrefetcher:
     def _constants(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
         consts = self._consts.get(channels)
         if consts is None:
-            scale, shift = scale_shift(self.mean, self.std, channels)
+            scale, shift = scale_shift(self.normalization, channels)
             s = torch.tensor(scale, dtype=torch.float32).view(channels, 1, 1)
             b = torch.tensor(shift, dtype=torch.float32).view(channels, 1, 1)
             if self.device.type == "cuda":
@@ -234,26 +246,12 @@ class CUDAPrefetcher:
         consumed = self._snapshot()  # the loader's position as of the last batch handed out
         it = iter(self.loader)
         inflight: collections.deque = collections.deque()  # (slot, device batch, loader state)
-        # Host batches whose copies may still run. Memory from the caching host allocator
-        # (tensor.pin_memory()) is protected by torch itself, but a loader may hand out views of
-        # its own page-locked buffers (fastload's ring slots, cudaHostRegister'ed) that it
-        # recycles as soon as the view is dropped: so each slot keeps its last host batch
-        # until that slot's copy is known to have finished.
-        slot_host: list[Any] = [None] * self.depth
-        retired: collections.deque = collections.deque()  # (event, host batch), rare
+        # Host batches whose copies may still run: a loader may hand out views of its own
+        # page-locked buffers (fastload's ring slots) that go back to its workers as soon as
+        # the view is dropped, so each is held until its copy has completed.
+        hold = HostHold()
         k = 0
         exhausted = completed = False
-
-        def release_slot(slot: int) -> None:
-            host = slot_host[slot]
-            slot_host[slot] = None
-            if host is not None and not self._events[slot].query():
-                # Still copying: keep it alive behind a marker event, without blocking.
-                marker = torch.cuda.Event()
-                marker.record(self._streams[slot])
-                retired.append((marker, host))
-            while retired and retired[0][0].query():
-                retired.popleft()
 
         def issue() -> None:
             nonlocal k, exhausted
@@ -266,7 +264,6 @@ class CUDAPrefetcher:
             slot = k % self.depth
             k += 1
             stream, event = self._streams[slot], self._events[slot]
-            release_slot(slot)
             if _has_cuda_tensor(host):
                 # Tensors made on the consumer's stream must be ready before the side stream
                 # reads them (only then: waiting always would serialise copy and compute).
@@ -274,7 +271,7 @@ class CUDAPrefetcher:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 dev = _map_tensors(host, self._convert)
             event.record(stream)
-            slot_host[slot] = host
+            hold.hold(host, stream)
             inflight.append((slot, dev, state))
 
         try:
@@ -303,13 +300,7 @@ class CUDAPrefetcher:
             # Drop the prefetched batches and the loader's iterator (a torch DataLoader shuts
             # its workers down when its iterator goes); host buffers only once copies are done.
             inflight.clear()
-            for slot in range(self.depth):
-                if slot_host[slot] is not None:
-                    self._events[slot].synchronize()
-                    slot_host[slot] = None
-            for marker, _ in retired:
-                marker.synchronize()
-            retired.clear()
+            hold.drain()
             del it  # closes the loader's iterator (nothing else holds it) before the rewind
             if not completed:
                 self._rewind(consumed)

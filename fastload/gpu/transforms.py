@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.draws import RRC_ATTEMPTS, crop_boxes, flip_flags, uniform
+from ..normalization import IMAGENET, Normalization, as_normalization, scale_shift
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -35,8 +36,8 @@ __all__ = [
     "uniform",
 ]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_MEAN = IMAGENET.mean  # aliases of fastload.IMAGENET, in 0-1 units
+IMAGENET_STD = IMAGENET.std
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,52 +49,30 @@ def _check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _channel_vector(values: Sequence[float] | None, name: str, channels: int) -> tuple[float, ...] | None:
-    if values is None:
-        return None
-    vals = tuple(float(v) for v in values)
-    if len(vals) == 1:
-        vals = vals * channels
-    if len(vals) != channels:
-        raise ValueError(f"{name} has {len(vals)} values but the images have {channels} channels")
-    if name == "std" and any(v <= 0 for v in vals):
-        raise ValueError(f"std values must be > 0, got {vals}")
-    return vals
-
-
-def scale_shift(
-    mean: Sequence[float] | None, std: Sequence[float] | None, channels: int
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel ``(scale, shift)`` with ``out = x_uint8 * scale - shift``.
-
-    ``mean``/``std`` are on the 0..1 scale (torchvision's convention); without them the
-    output is just ``x / 255``.
-    """
-    m = _channel_vector(mean, "mean", channels) or (0.0,) * channels
-    s = _channel_vector(std, "std", channels) or (1.0,) * channels
-    return tuple(1.0 / (255.0 * v) for v in s), tuple(a / b for a, b in zip(m, s))
-
-
 def normalize(
     images: torch.Tensor,
     *,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    normalization: Normalization | None = None,
     dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
 ) -> torch.Tensor:
     """uint8 ``(N, C, H, W)`` (or ``(C, H, W)``) -> float ``(x / 255 - mean) / std`` in ``dtype``.
 
-    The arithmetic is done in float32 whatever ``dtype`` is, then cast once, so float16
-    and bfloat16 outputs are the correctly rounded float32 result.
+    ``normalization`` (or ``mean``/``std`` in 0-1 units; see :func:`fastload.normalization.as_normalization`);
+    without either the output is just ``x / 255``. The arithmetic is done in float32 whatever
+    ``dtype`` is, then cast once, so float16 and bfloat16 outputs are the correctly rounded
+    float32 result.
     """
+    norm = as_normalization(normalization, mean=mean, std=std)
     _check_dtype(dtype)
     if images.dtype != torch.uint8:
         raise ValueError(f"normalize expects uint8 images, got {images.dtype}")
     if images.dim() not in (3, 4):
         raise ValueError(f"normalize expects (N, C, H, W) or (C, H, W) images, got shape {tuple(images.shape)}")
     c = images.shape[-3]
-    scale, shift = scale_shift(mean, std, c)
+    scale, shift = scale_shift(norm, c)
     scale_t = torch.tensor(scale, dtype=torch.float32).view(c, 1, 1).to(images.device)
     shift_t = torch.tensor(shift, dtype=torch.float32).view(c, 1, 1).to(images.device)
     return apply_scale_shift(images, scale_t, shift_t, dtype=dtype, channels_last=channels_last)
@@ -255,6 +234,9 @@ class BatchAugment:
     """Training augmentation of a fixed-size uint8 batch on its device: normalise, then
     RandomResizedCrop to ``size`` and flip with probability ``flip_p``, seeded by
     ``(seed, epoch, sample index)``. ``antialias``: see :func:`random_resized_crop`.
+
+    Normalised with ``normalization`` (ImageNet's by default; ``None``: just ``x / 255``), or
+    with ``mean``/``std`` in 0-1 units, which replace the default.
     """
 
     def __init__(
@@ -265,12 +247,16 @@ class BatchAugment:
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
         flip_p: float = 0.5,
-        mean: Sequence[float] | None = IMAGENET_MEAN,
-        std: Sequence[float] | None = IMAGENET_STD,
+        normalization: Normalization | None = IMAGENET,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         dtype: torch.dtype = torch.float32,
         channels_last: bool = True,
         antialias: bool = True,
     ):
+        if normalization is IMAGENET and (mean is not None or std is not None):
+            normalization = None  # mean/std replace the default
+        self.normalization = as_normalization(normalization, mean=mean, std=std)
         if not 0.0 <= flip_p <= 1.0:
             raise ValueError(f"flip_p must be in [0, 1], got {flip_p}")
         self.size = size
@@ -278,15 +264,14 @@ class BatchAugment:
         self.scale = tuple(scale)
         self.ratio = tuple(ratio)
         self.flip_p = float(flip_p)
-        self.mean = mean
-        self.std = std
         self.dtype = _check_dtype(dtype)
         self.channels_last = channels_last
         self.antialias = bool(antialias)
 
     def __call__(self, images: torch.Tensor, *, epoch: int, indices: Any) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            x = normalize(images, mean=self.mean, std=self.std, dtype=torch.float32, channels_last=self.channels_last)
+            x = normalize(images, normalization=self.normalization, dtype=torch.float32,
+                          channels_last=self.channels_last)
         else:
             x = images.float()
         out = random_resized_crop(

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from ..config import usable_cpus
-from ..gpu.transforms import IMAGENET_MEAN as IMAGENET_MEAN_01
-from ..gpu.transforms import IMAGENET_STD as IMAGENET_STD_01
+from ..normalization import IMAGENET
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -176,7 +175,7 @@ def run_demo(cfg: DemoConfig, *, say: Callable[[str], None] = print) -> dict[str
     workers = cfg.workers if cfg.workers is not None else usable_cpus()
     train_dir, val_dir, data_info = _prepare_data(cfg, say)
 
-    common = dict(backend=cfg.backend, crop=cfg.crop, mean=IMAGENET_MEAN_01, std=IMAGENET_STD_01, device=device,
+    common = dict(backend=cfg.backend, crop=cfg.crop, normalization=IMAGENET, device=device,
                   seed=cfg.seed, num_workers=workers)
     train_loader = make_loader(train_dir, batch_size=cfg.batch_size, train=True, **common)
     val_loader = make_loader(val_dir, batch_size=cfg.batch_size, train=False, **common)

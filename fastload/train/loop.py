@@ -32,7 +32,6 @@ import collections
 import contextlib
 import enum
 import functools
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -46,9 +45,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from ..data.plan import EpochPlan
 from ..errors import FormatError
-from ..gpu.transforms import IMAGENET_MEAN as _MEAN_01
-from ..gpu.transforms import IMAGENET_STD as _STD_01
+from ..gpu.transforms import apply_scale_shift
+from ..normalization import IMAGENET, Normalization, as_normalization, scale_shift
 from .distributed import DistInfo, all_reduce_sum, barrier
 from .utils import peak_memory_bytes, reset_peak_memory
 
@@ -61,8 +61,6 @@ __all__ = [
     "check_batch_geometry",
 ]
 
-IMAGENET_MEAN = tuple(m * 255 for m in _MEAN_01)  # uint8 inputs are normalised in 0-255 units
-IMAGENET_STD = tuple(s * 255 for s in _STD_01)
 CHECKPOINT_FORMAT = "fastload-train-checkpoint"
 CHECKPOINT_VERSION = 1
 
@@ -92,8 +90,9 @@ class TrainConfig:
     cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels for fixed input shapes
     grad_clip: float | None = None  # max gradient norm, None = no clipping
     log_interval: int = 0  # optimizer steps between progress lines (and host syncs); 0 = per epoch only
-    mean: tuple[float, ...] = IMAGENET_MEAN  # for uint8 inputs, in 0-255 units
-    std: tuple[float, ...] = IMAGENET_STD
+    # uint8 inputs become (x / 255 - mean) / std, in 0-1 units (None: x / 255 only); float inputs
+    # are taken as already normalised (CUDAPrefetcher, DALI)
+    normalization: Normalization | None = IMAGENET
 
     def __post_init__(self):
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -104,8 +103,7 @@ class TrainConfig:
             raise ValueError(f"log_interval must be >= 0, got {self.log_interval}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
-        if len(self.mean) != len(self.std) or any(s <= 0 for s in self.std):
-            raise ValueError("mean and std must have the same length and std must be > 0")
+        object.__setattr__(self, "normalization", as_normalization(self.normalization))
 
 
 @dataclass(frozen=True)
@@ -148,23 +146,23 @@ class EvalStats:
 
 def check_batch_geometry(num_samples: int, *, batch_size: int, world_size: int = 1, accum_steps: int = 1,
                          drop_last: bool = False) -> int:
-    """Micro-batches each rank sees per epoch; a clear ValueError if that cannot train.
+    """Micro-batches each rank sees per epoch (the loaders' own count: :class:`EpochPlan`);
+    a clear ValueError if that cannot train.
 
-    One optimizer step consumes ``batch_size x world_size x accum_steps`` images; a dataset
-    smaller than that would never step, and ``drop_last`` could drop it all.
+    One optimizer step consumes ``accum_steps`` micro-batches on each of ``world_size`` ranks;
+    a dataset too small for that would never step, and ``drop_last`` could drop it all.
     """
-    for name, v in (("batch_size", batch_size), ("world_size", world_size), ("accum_steps", accum_steps)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+    plan = EpochPlan(num_samples, batch_size=batch_size, world_size=world_size, drop_last=drop_last)
     per_step = batch_size * world_size * accum_steps
-    if num_samples < per_step:
+    if num_samples < per_step or plan.num_batches() < accum_steps:
         raise ValueError(
             f"one optimizer step needs batch_size {batch_size} x world size {world_size} x accumulation "
-            f"{accum_steps} = {per_step} images, but the dataset has only {num_samples}: lower the batch size "
-            f"or accumulation, or use fewer processes"
+            f"{accum_steps} = {per_step} images, but the dataset has only {num_samples}"
+            f"{' (after drop_last)' if drop_last else ''}: lower the batch size or accumulation, or use fewer processes"
         )
-    per_rank = math.ceil(num_samples / world_size)
-    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+    return plan.num_batches()
 
 
 class _FrozenBNStats:
@@ -311,9 +309,7 @@ class Trainer:
         self._autocast = functools.partial(torch.autocast, device_type=self.device.type, dtype=dtype,
                                            enabled=dtype is not None)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision is Precision.FP16)
-        shape = (1, len(config.mean), 1, 1)
-        self._mean = torch.tensor(config.mean, dtype=torch.float32, device=self.device).view(shape)
-        self._inv_std = (1.0 / torch.tensor(config.std, dtype=torch.float32, device=self.device)).view(shape)
+        self._norm_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # channels -> (scale, shift)
         self._host_inflight: collections.deque = collections.deque()  # (CUDA event, pinned host batch)
 
     # -- the step ------------------------------------------------------------------------
@@ -321,6 +317,18 @@ class Trainer:
     def module(self) -> nn.Module:
         """The bare model (without DDP or torch.compile wrappers)."""
         return _unwrap(self.model)
+
+    def _normalization_constants(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``config.normalization`` as float32 ``(C, 1, 1)`` scale and shift on the device, built
+        once per channel count (not per batch: a host-to-device copy each time would sync)."""
+        consts = self._norm_consts.get(channels)
+        if consts is None:
+            scale, shift = scale_shift(self.config.normalization, channels)
+            consts = self._norm_consts[channels] = (
+                torch.tensor(scale, dtype=torch.float32, device=self.device).view(channels, 1, 1),
+                torch.tensor(shift, dtype=torch.float32, device=self.device).view(channels, 1, 1),
+            )
+        return consts
 
     def _prepare(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = _split_batch(batch)
@@ -337,8 +345,10 @@ class Trainer:
             while self._host_inflight and self._host_inflight[0][0].query():
                 self._host_inflight.popleft()
         if not x.is_floating_point():
-            # uint8 stays uint8 until here: convert and normalise on the device.
-            x = (x.float() - self._mean) * self._inv_std
+            # uint8 stays uint8 until here: convert and normalise on the device, with the
+            # arithmetic of fastload.gpu.transforms.normalize (so the floats are the same).
+            scale, shift = self._normalization_constants(x.shape[-3])
+            x = apply_scale_shift(x, scale, shift, dtype=torch.float32, channels_last=self.config.channels_last)
         if self.config.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
@@ -366,15 +376,20 @@ class Trainer:
             if resuming:
                 raise ValueError(f"epoch {self.epoch} was stopped mid-way; finish it before starting epoch {epoch}")
             self.epoch = epoch
-        if not resuming:
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(self.epoch)
+        if not resuming and hasattr(loader, "set_epoch"):
+            loader.set_epoch(self.epoch)
+        if hasattr(loader, "batches_left"):
+            # fastload's loaders know what is left of the epoch, also after a resume on another
+            # number of processes (their positions are global); micro-batch positions here
+            # count from where this process's share of the epoch began.
+            self._epoch_len = self._epoch_pos + loader.batches_left()
+        elif not resuming:
             try:
                 self._epoch_len = len(loader)  # type: ignore[arg-type]
             except TypeError:
                 self._epoch_len = None
         total = self._epoch_len
-        if total is not None and total < k:
+        if total is not None and total < k and not resuming:
             raise ValueError(
                 f"the loader yields {total} batches per process per epoch, fewer than accum_steps={k}: no optimizer "
                 f"step would ever happen; lower the accumulation or batch size, or use fewer processes"
@@ -561,10 +576,12 @@ class Trainer:
         if state.get("version") != CHECKPOINT_VERSION:
             raise FormatError(f"{path}: checkpoint version {state.get('version')} is not supported "
                               f"(this fastload reads {CHECKPOINT_VERSION})")
-        if state["epoch_pos"] and (state["accum_steps"] != self.config.accum_steps
-                                   or state["world_size"] != self.dist.world_size):
-            raise ValueError(f"{path}: saved mid-epoch with accumulation {state['accum_steps']} on "
-                             f"{state['world_size']} processes; resume with the same settings")
+        if state["epoch_pos"] and state["accum_steps"] != self.config.accum_steps:
+            raise ValueError(f"{path}: saved mid-epoch with accumulation {state['accum_steps']}; "
+                             f"resume with the same accumulation (or from an epoch boundary)")
+        if state["epoch_pos"] and state["world_size"] != self.dist.world_size and not hasattr(loader, "batches_left"):
+            raise ValueError(f"{path}: saved mid-epoch on {state['world_size']} processes; resuming on "
+                             f"{self.dist.world_size} needs a fastload loader (its positions are global)")
         try:
             self.module.load_state_dict(state["model"])
         except RuntimeError as exc:  # torch's message lists every key: too long for one line

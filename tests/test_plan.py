@@ -1,0 +1,260 @@
+"""EpochPlan: one batch arithmetic for every loader, disjoint covering ranks, elastic resume.
+
+The in-process rank simulation runs real fastload DataLoaders (``num_workers=0``, one per
+simulated rank); the worker-process variant and the torchrun 2 -> 1 resume are below.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastload.transforms as T
+from fastload.data.dataset import ImageFolder
+from fastload.data.loader import DataLoader
+from fastload.data.plan import EpochPlan
+from fastload.data.sampler import DistributedEpochSampler
+from fastload.train import check_batch_geometry
+
+from _data_helpers import make_pack
+
+
+class Indices:
+    """A dataset whose sample i is a tiny image and label i (targets are the indices)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full((2, 2, 3), i % 256, np.uint8), i
+
+
+def _targets(batches) -> list[int]:
+    return [int(t) for _, y in batches for t in y]
+
+
+def _run(loader, limit: int | None = None) -> list[list[int]]:
+    out = []
+    for images, targets in loader:
+        out.append(targets.tolist())
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+plans = st.fixed_dictionaries({
+    "num_samples": st.integers(0, 90), "world_size": st.integers(1, 5), "batch_size": st.integers(1, 9),
+    "drop_last": st.booleans(), "seed": st.integers(0, 2**31), "shuffle": st.booleans(),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=plans, epoch=st.integers(0, 30))
+def test_ranks_are_disjoint_cover_the_epoch_and_agree_on_batches(p, epoch):
+    n, w, b = p["num_samples"], p["world_size"], p["batch_size"]
+    ranks = [EpochPlan(rank=r, **p) for r in range(w)]
+    counts = {pl.num_batches() for pl in ranks}
+    assert len(counts) == 1, "every rank gets the same number of batches"
+    parts = [pl.indices(epoch) for pl in ranks]
+    assert len({len(x) for x in parts}) == 1
+    allidx = np.concatenate(parts)
+    padded = sum(pl.num_padded() for pl in ranks)
+    if p["drop_last"]:
+        assert padded == 0 and len(np.unique(allidx)) == len(allidx)
+        assert n - len(allidx) < w * b  # the tail of the order and incomplete batches
+        assert all(len(x) % b == 0 for x in parts)
+    elif n:
+        assert set(allidx.tolist()) == set(range(n))
+        assert len(allidx) - n == padded
+        if n >= w:
+            assert padded == (-n) % w  # at most world_size - 1 repeats
+        # the padding is each rank's last samples: leaving it out counts every sample once
+        kept = np.concatenate([x[: len(x) - pl.num_padded()] for x, pl in zip(parts, ranks)])
+        assert sorted(kept.tolist()) == list(range(n))
+    # check_batch_geometry uses the same count whenever it accepts the geometry
+    try:
+        assert check_batch_geometry(n, batch_size=b, world_size=w, drop_last=p["drop_last"]) == counts.pop()
+    except ValueError:
+        assert n < b * w or EpochPlan(**p).num_batches() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=plans.filter(lambda p: p["num_samples"] > 0), epoch=st.integers(0, 5))
+def test_every_loader_yields_the_plans_batches(p, epoch):
+    """fastload's DataLoader (each simulated rank) and the torch sampler give exactly the plan."""
+    n, w = p["num_samples"], p["world_size"]
+    for r in range(w):
+        plan = EpochPlan(rank=r, **p)
+        loader = DataLoader(Indices(n), p["batch_size"], num_workers=0, distributed=(r, w), seed=p["seed"],
+                            shuffle=p["shuffle"], drop_last=p["drop_last"], pin_memory=False)
+        assert len(loader) == plan.num_batches() == loader.batches_left()
+        loader.set_epoch(epoch)
+        got = _run(loader)
+        assert len(got) == plan.num_batches()
+        assert sum(got, []) == plan.indices(epoch).tolist()
+        sampler = DistributedEpochSampler(n, seed=p["seed"], shuffle=p["shuffle"], rank=r, world_size=w,
+                                          drop_last=p["drop_last"])
+        sampler.set_epoch(epoch)
+        assert len(sampler) == plan.replace(batch_size=1).num_batches()
+
+
+def _elastic(n, seed, shuffle, drop_last, epoch, w1, b1, k, w2, b2, workers=0, dataset=None):
+    """Run ``k`` batches on ``w1`` simulated ranks, checkpoint (rank 0's state), resume on
+    ``w2`` ranks with batch size ``b2``; return (first part per rank, rest per rank, state)."""
+    dataset = Indices(n) if dataset is None else dataset
+    kw = dict(seed=seed, shuffle=shuffle, drop_last=drop_last, num_workers=workers, pin_memory=False)
+    first, states = [], []
+    for r in range(w1):
+        with DataLoader(dataset, b1, distributed=(r, w1), **kw) as loader:
+            loader.set_epoch(epoch)
+            first.append(_run(loader, k) if k else [])
+            states.append(loader.state_dict())
+    assert all(s == states[0] for s in states), "a position is global: every rank saves the same state"
+    rest = []
+    for r in range(w2):
+        with DataLoader(dataset, b2, distributed=(r, w2), **kw) as loader:
+            loader.load_state_dict(states[0])
+            loader.set_epoch(epoch)  # what a training loop does on restart: must not rewind
+            rest.append(_run(loader))
+            assert loader.epoch == epoch + 1  # the epoch ended; the next iteration moves on
+    return first, rest, states[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 70), seed=st.integers(0, 1000), shuffle=st.booleans(), drop_last=st.booleans(),
+       epoch=st.integers(0, 3), w1=st.integers(1, 4), w2=st.integers(1, 4), b1=st.integers(1, 6),
+       b2=st.integers(1, 6), k=st.integers(0, 8))
+def test_resume_on_another_world_size_covers_the_rest_exactly_once(n, seed, shuffle, drop_last, epoch, w1, w2,
+                                                                    b1, b2, k):
+    k = min(k, EpochPlan(n, batch_size=b1, world_size=w1, drop_last=drop_last).num_batches())
+    first, rest, state = _elastic(n, seed, shuffle, drop_last, epoch, w1, b1, k, w2, b2)
+    seen = Counter(sum((sum(x, []) for x in first), []))
+    resumed = Counter(sum((sum(x, []) for x in rest), []))
+    position = state["order"]["position"]
+    order = EpochPlan(n, seed=seed, shuffle=shuffle).order(epoch)
+    # the first part is exactly a prefix of the epoch's order (up to its own padding)
+    assert set(seen) == set(order[: min(position, n)].tolist())
+    both = seen + resumed
+    tail = [EpochPlan(n, batch_size=b2, world_size=w2, rank=r, drop_last=drop_last, seed=seed, shuffle=shuffle)
+            for r in range(w2)]
+    if drop_last:
+        assert max(both.values(), default=1) == 1, "drop_last: nothing is read twice"
+        assert n - sum(both.values()) < max(w1 * b1, w2 * b2)
+    else:
+        assert set(both) == set(range(n)), "every sample of the epoch is read"
+        repeats = sum(both.values()) - n
+        if position > n:  # the first part finished the epoch, padding included; nothing is left
+            assert resumed == Counter()
+            assert repeats == sum(EpochPlan(n, batch_size=b1, world_size=w1, rank=r).num_padded() for r in range(w1))
+        else:
+            assert repeats == sum(pl.num_padded(position) for pl in tail)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), seed=st.integers(0, 1000), drop_last=st.booleans(), w=st.integers(1, 4),
+       b=st.integers(1, 5), k=st.integers(0, 6))
+def test_resume_on_the_same_world_reproduces_the_run(n, seed, drop_last, w, b, k):
+    k = min(k, EpochPlan(n, batch_size=b, world_size=w, drop_last=drop_last).num_batches())
+    first, rest, _ = _elastic(n, seed, True, drop_last, 2, w, b, k, w, b)
+    for r in range(w):
+        full = EpochPlan(n, batch_size=b, world_size=w, rank=r, seed=seed, drop_last=drop_last)
+        assert sum(first[r] + rest[r], []) == full.indices(2).tolist()
+
+
+@pytest.fixture(scope="module")
+def aug_pack(sample_tree, tmp_path_factory):
+    return make_pack(sample_tree, tmp_path_factory.mktemp("plan") / "jpeg", payload="jpeg")
+
+
+@pytest.mark.parametrize("w1,w2", [(2, 1), (1, 3), (3, 2), (2, 2)])
+def test_elastic_resume_with_worker_processes_serves_the_same_pixels(aug_pack, w1, w2):
+    """Real worker processes on the ring path, W -> W': the resumed ranks serve exactly the
+    rest of the epoch, each sample with the pixels the uninterrupted run gives it
+    (augmentation depends on (seed, epoch, index) only, not on rank, batch or worker)."""
+    ds = ImageFolder(aug_pack, T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()]))
+    n = len(ds)
+    ref = {}
+    with DataLoader(ds, 4, num_workers=2, seed=9, pin_memory=False) as loader:
+        loader.set_epoch(1)
+        idx = loader.plan.indices(1)
+        for b, (x, _) in enumerate(loader):
+            ref.update(zip(loader.plan.batch(idx, b).tolist(), x.clone()))
+    assert len(ref) == n
+    state = None
+    for r in range(w1):
+        with DataLoader(ds, 3, num_workers=2, seed=9, distributed=(r, w1), pin_memory=False) as a:
+            a.set_epoch(1)
+            idx = a.plan.indices(1)
+            for b, (x, _) in enumerate(a):
+                for img, i in zip(x, a.plan.batch(idx, b).tolist()):
+                    assert torch.equal(img, ref[i])
+                if b == 1:
+                    break
+            state = a.state_dict()
+    position = state["order"]["position"]
+    assert position == 2 * 3 * w1
+    served = []
+    for r in range(w2):
+        with DataLoader(ds, 5, num_workers=2, seed=9, distributed=(r, w2), pin_memory=False) as c:
+            c.load_state_dict(state)
+            idx = c.plan.indices(1, position)
+            got = [x.clone() for x, _ in c]
+            assert sum(len(x) for x in got) == len(idx)
+            for img, i in zip(torch.cat(got) if got else [], idx.tolist()):
+                assert torch.equal(img, ref[i])
+            served += idx.tolist()
+    order = EpochPlan(n, seed=9).order(1)
+    assert set(served) == set(order[position:].tolist())
+    assert len(served) - (n - position) == sum(
+        EpochPlan(n, batch_size=5, world_size=w2, rank=r).num_padded(position) for r in range(w2))
+
+
+def test_old_per_rank_batch_states_still_load():
+    """A state saved before positions were global (epoch + batches per rank) resumes at the same place."""
+    loader = DataLoader(Indices(30), 4, num_workers=0, distributed=(1, 2), seed=3, pin_memory=False)
+    loader.load_state_dict({"epoch": 2, "batches": 2, "seed": 3, "batch_size": 4, "num_samples": 30,
+                            "world_size": 2, "rank": 1, "shuffle": True, "drop_last": False})
+    plan = EpochPlan(30, batch_size=4, seed=3, rank=1, world_size=2)
+    assert sum(_run(loader), []) == plan.indices(2)[8:].tolist()
+
+
+def test_a_state_from_another_order_is_refused():
+    a = DataLoader(Indices(30), 4, num_workers=0, seed=3, pin_memory=False)
+    for change in ({"seed": 4}, {"num_samples": 31}, {"shuffle": False}, {"plan": "block-shuffle"}):
+        state = a.state_dict()
+        state["order"].update(change)
+        with pytest.raises(ValueError, match=next(iter(change))):
+            a.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_real_torchrun_two_ranks_then_resume_on_one(tmp_path):
+    torchrun = shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    script = Path(__file__).with_name("ddp_elastic_resume.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    n = 41
+    for world, phase in ((2, "first"), (1, "rest")):
+        proc = subprocess.run(
+            [*cmd, "--standalone", f"--nproc_per_node={world}", str(script), str(tmp_path), str(n), phase],
+            capture_output=True, text=True, timeout=240, env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first = [np.load(tmp_path / f"first{r}.npy") for r in range(2)]
+    rest = np.load(tmp_path / "rest0.npy")
+    assert all(len(f) == 3 * 4 for f in first)  # 3 batches of 4 on each of the 2 ranks
+    both = Counter(np.concatenate([*first, rest]).tolist())
+    assert set(both) == set(range(n)) and max(both.values()) == 1  # one rank: no padding
