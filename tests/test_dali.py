@@ -214,7 +214,7 @@ def test_set_epoch_reshuffles_and_early_break_resumes_the_epoch(packs):
         if i == 1:
             break
     state = loader.state_dict()
-    assert (state["epoch"], state["batches"]) == (5, 2)
+    assert (state["order"]["epoch"], state["order"]["position"]) == (5, 2 * 4)
     rest = [t for _, y in loader for t in y.tolist()]
     assert first + rest == labels[epoch_indices(n, seed=5, epoch=5)].tolist()
     # a new loader resumed from the state reads exactly the rest of that epoch

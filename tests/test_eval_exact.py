@@ -34,7 +34,7 @@ class IndexDataset:
 def _distinct_part(n: int, rank: int, world: int, *, shuffle: bool, seed: int, epoch: int, batch: int = 3):
     loader = DataLoader(IndexDataset(n), batch, shuffle=shuffle, seed=seed, distributed=(rank, world),
                         num_workers=0, collate_fn=list)
-    idx = loader.sampler.indices(epoch)
+    idx = loader.plan.indices(epoch)
     assert np.array_equal(idx, epoch_indices(n, seed=seed, epoch=epoch, shuffle=shuffle, rank=rank,
                                              world_size=world))
     return idx, idx[: len(idx) - loader.num_padded]

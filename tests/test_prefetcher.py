@@ -132,7 +132,7 @@ def test_set_epoch_reaches_a_torch_sampler():
 def test_state_dict_describes_consumed_batches_not_prefetched_ones():
     loader = StatefulLoader(n=6)
     p = CUDAPrefetcher(loader, "cpu", depth=3)
-    assert p.state_dict() == {"epoch": 0, "pos": 0}
+    assert p.state_dict() == {"source": {"epoch": 0, "pos": 0}}  # a stage nests its source's state
     it = iter(p)
     next(it)
     next(it)
@@ -140,11 +140,13 @@ def test_state_dict_describes_consumed_batches_not_prefetched_ones():
     while loader.pos < 5 and time.monotonic() < deadline:  # the thread runs ahead...
         time.sleep(0.01)
     assert loader.pos >= 5
-    assert p.state_dict() == {"epoch": 0, "pos": 2}  # ...but the state is what we consumed
+    assert p.state_dict() == {"source": {"epoch": 0, "pos": 2}}  # ...but the state is what we consumed
     it.close()
-    assert p.state_dict() == {"epoch": 0, "pos": 2}
-    p.load_state_dict({"epoch": 4, "pos": 1})
-    assert loader.epoch == 4 and p.state_dict() == {"epoch": 4, "pos": 1}
+    assert p.state_dict() == {"source": {"epoch": 0, "pos": 2}}
+    p.load_state_dict({"source": {"epoch": 4, "pos": 1}})
+    assert loader.epoch == 4 and p.state_dict() == {"source": {"epoch": 4, "pos": 1}}
+    p.load_state_dict({"epoch": 2, "pos": 0})  # a bare loader state loads too
+    assert loader.epoch == 2
 
 
 class _Numbers(torch.utils.data.Dataset):
@@ -165,22 +167,23 @@ def test_early_break_then_reiteration_loses_no_prefetched_batch(depth, device):
     from fastload.data.loader import DataLoader
 
     loader = DataLoader(_Numbers(), 4, shuffle=True, seed=2, num_workers=0, pin_memory=False)
-    order = loader.sampler.indices(0).tolist()
+    order = loader.plan.indices(0).tolist()
     p = CUDAPrefetcher(loader, device, depth=depth)
     got = []
     for i, (_, y) in enumerate(p):
         got += y.tolist()
         if i == 1:
             break
-    assert loader.state_dict()["batches"] == p.state_dict()["batches"] == 2
+    assert loader.state_dict() == p.state_dict()["source"]
+    assert loader.state_dict()["order"]["position"] == 2 * 4
     with pytest.raises(RuntimeError, match="step failed"):
         for _, y in p:  # one more batch, then the consumer fails
             got += y.tolist()
             raise RuntimeError("the training step failed")
-    assert loader.state_dict()["batches"] == 3
+    assert loader.state_dict()["order"]["position"] == 3 * 4
     got += [t for _, y in p for t in y.tolist()]
     assert got == order  # every sample once, in the sampler's order
-    assert p.state_dict()["epoch"] == 1 and p.state_dict()["batches"] == 0
+    assert loader.epoch == 1 and p.state_dict()["source"]["order"]["position"] == 0
 
 
 def test_a_new_iteration_closes_an_unfinished_one_first():
@@ -364,7 +367,7 @@ def test_cuda_unpinned_and_pinned_inputs_and_state_passthrough():
     it = iter(p)
     x, y = next(it)
     assert x.is_cuda and y.is_cuda and y.dtype == torch.int64
-    assert p.state_dict() == {"epoch": 0, "pos": 1}
+    assert p.state_dict() == {"source": {"epoch": 0, "pos": 1}}
     it.close()
     pinned = [(_images(0).pin_memory(), torch.arange(4).pin_memory())]
     ((xo, yo),) = list(CUDAPrefetcher(pinned, "cuda", channels_last=False))
@@ -378,7 +381,7 @@ def test_cuda_convert_returns_after_the_copy_from_a_registered_ring_slot():
     so not guarded by torch's host allocator) slot as soon as the call returns."""
     import numpy as np
 
-    from fastload.data.loader import _pin
+    from fastload.gpu.pinning import pin_array as _pin
 
     slot = _pin(np.empty((16, 3, 128, 128), dtype=np.uint8))
     x = torch.from_numpy(slot)

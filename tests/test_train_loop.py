@@ -126,7 +126,7 @@ def test_mid_epoch_checkpoint_resume_gives_identical_weights(digits_subset, tmp_
     second, loader2 = _resume_setup(digits_subset)
     second.load_checkpoint(ckpt, loader=loader2)
     assert (second.epoch, second.step) == (0, 3)
-    assert loader2.state_dict()["batches"] == 6
+    assert loader2.state_dict()["order"]["position"] == 6 * 32
     second.fit(loader2, epochs=2)
     assert second.step == full.step == 2 * 8
     a, b = full.module.state_dict(), second.module.state_dict()

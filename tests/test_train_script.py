@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastload.data.order import find_order_state
+
 from _train_helpers import pack_digits
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train.py"
@@ -41,7 +43,7 @@ def test_train_script_trains_checkpoints_and_resumes(digits_dir, tmp_path):
         assert re.search(r"train loss [\d.]+ .* img/s .*data stall \d+% .*Acc@1 [\d.]+%", ln), ln
     assert "= 128 per step" in r.stdout
     state = torch.load(ckpt, weights_only=False)
-    assert state["epoch"] == 2 and state["loader"]["epoch"] == 2 and len(state["history"]) == 2
+    assert state["epoch"] == 2 and find_order_state(state["loader"])["epoch"] == 2 and len(state["history"]) == 2
 
     r2 = _run(digits_dir, *FAST, "--epochs", "3", "--checkpoint", ckpt, "--accum", "2", "--amp", "bf16",
               "--resume", ckpt)

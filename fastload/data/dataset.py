@@ -178,8 +178,9 @@ class ImageFolder:
         except (DecodeError, FormatError) as exc:
             if not skip:
                 raise
+            seed = self.seed if seed is None else seed
             s, img = first_substitute(
-                i, n, seed=seed, epoch=epoch, error=exc, attempt=lambda s: self.load(s, epoch=epoch, seed=seed)
+                i, n, seed=seed, epoch=epoch, error=exc, attempt=lambda k: self.load(k, epoch=epoch, seed=seed)
             )
             replacement = Replacement(index=i, substitute=s, epoch=int(epoch), reason=str(exc))
             i = s  # the substitute's label goes with its image
@@ -259,13 +260,10 @@ class ImageFolder:
             raise self._decode_error(i, exc) from None
 
     def _decode_error(self, i: int, exc: Exception) -> DecodeError:
-        return DecodeError(
-            f"{describe_record(self.reader, i, source=self.path(i))} could not be decoded as {self.payload}: {exc}"
-        )
+        return decode_error(self.reader, i, exc, source=self.path(i))
 
     def _read_error(self, i: int, exc: Exception) -> FormatError:
-        """A storage failure (damaged LMDB page, HDF5 read error) as an error naming the record."""
-        return FormatError(f"{describe_record(self.reader, i, source=self.path(i))} could not be read: {exc}")
+        return read_error(self.reader, i, exc, source=self.path(i))
 
     def _run_plan(self, i: int, plan: Plan, hw: tuple[int, int], dst: np.ndarray | None = None) -> np.ndarray:
         """Decode record ``i`` and run ``plan`` on it. With turbo-crop only the plan's box is
@@ -405,10 +403,10 @@ class ImageFolder:
         if self.transform is None:
             if not len(self):
                 return f"{self.root} holds no images"
-            sizes = np.unique(self._shapes, axis=0)[:3].tolist()
-            shown = ", ".join(f"{h}x{w}x{c}" for h, w, c in sizes)
+            sizes = np.unique(self._shapes, axis=0).tolist()
+            shown = ", ".join(f"{h}x{w}x{c}" for h, w, c in sizes[:3]) + (", ..." if len(sizes) > 3 else "")
             return (
-                f"the pack's images have different sizes ({shown}, ...): add a transform that fixes the size "
+                f"the pack's images have different sizes ({shown}): add a transform that fixes the size "
                 "(fastload.transforms.RandomResizedCrop or Resize + CenterCrop), or pack with --size HxW"
             )
         fast = self._fast
@@ -464,6 +462,16 @@ def describe_record(reader: PackReader, i: int, *, source: str | None = None) ->
         root = reader.manifests[0].source
         source = os.path.join(root, rel) if root else rel
     return f"{reader.shard_path(k)}: record {j} (dataset index {i}, source {source!r})"
+
+
+def read_error(reader: PackReader, i: int, exc: Exception | str, *, source: str | None = None) -> FormatError:
+    """Record ``i``'s bytes could not be read (damaged LMDB page, missing key, HDF5 read error)."""
+    return FormatError(f"{describe_record(reader, i, source=source)} could not be read: {exc}")
+
+
+def decode_error(reader: PackReader, i: int, exc: Exception | str, *, source: str | None = None) -> DecodeError:
+    """Record ``i``'s bytes are not a valid image of the pack's payload codec."""
+    return DecodeError(f"{describe_record(reader, i, source=source)} could not be decoded as {reader.payload}: {exc}")
 
 
 def first_substitute(

@@ -24,6 +24,7 @@ worker or batch it lands in.
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,9 @@ from ..data.draws import crop_boxes, flip_flags
 from ..checks import check_batch_args, resolve_distributed
 from ..data.order import Order
 from ..data.plan import EpochPlan
-from ..errors import FormatError, require
+from ..codecs import jpegcrop as _jpegcrop
+from ..data.dataset import decode_error, describe_record, first_substitute, on_error_skips, read_error
+from ..errors import DecodeError, FormatError, require
 from ..normalization import SCALE_ONLY, Normalization, as_normalization
 from ..storage import open_pack
 
@@ -66,6 +69,14 @@ class PackBatchSource:
     reader opens its files lazily in each worker) and takes the epoch's order from ``plan``,
     cached for the current epoch. The pipeline's first epoch starts at global position
     ``start`` (a resumed job's position); later ones from their beginning.
+
+    ``on_error`` (:class:`~fastload.data.protocols.OnRecordError`): what to do with a record
+    that cannot be read or fails :meth:`record`'s check. ``"raise"`` ends the pipeline with a
+    DecodeError/FormatError naming the record, its shard and its source file; ``"skip"`` serves
+    its first readable substitute (:func:`~fastload.data.draws.substitute_index`, the CPU
+    loader's choice), with that sample's label and crop box, and writes one line per
+    replacement to stderr (this runs in DALI's worker processes: nothing else reaches the
+    main process).
     """
 
     def __init__(
@@ -81,7 +92,9 @@ class PackBatchSource:
         scale: tuple[float, float] | None = None,
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
         flip_p: float = 0.5,
+        on_error: str = "raise",
     ):
+        self.on_error = "skip" if on_error_skips(on_error) else "raise"
         self.root = Path(root)
         self.labels = np.ascontiguousarray(labels, dtype=np.int64)
         self.shapes = None if shapes is None else np.ascontiguousarray(shapes, dtype=np.int32)
@@ -135,22 +148,98 @@ class PackBatchSource:
     def __call__(self, info) -> tuple:
         epoch_idx = int(info.epoch_idx)
         idx = self.batch_indices(epoch_idx, int(info.iteration))
-        if self._pack is None:
-            self._pack = open_pack(self.root, check_files=False)
-        pack = self._pack
-        if self.shapes is None:
-            data = [np.array(np.frombuffer(pack.get(int(i)), dtype=np.uint8)) for i in idx]
-        else:
-            data = []
-            for i in idx:
-                h, w, c = (int(v) for v in self.shapes[i])
-                buf = np.frombuffer(pack.get(int(i)), dtype=np.uint8)
-                if buf.size != h * w * c:
-                    raise FormatError(f"{self.root}: raw record {int(i)} has {buf.size} bytes, expected {h}x{w}x{c}")
-                data.append(buf.reshape(h, w, c).copy())
+        idx, data = self.read(idx, self.base_epoch + epoch_idx)  # idx: what was served (substitutes)
         if self.scale is None:
             return data, self.labels[idx]
         return (data, self.labels[idx], *self.augment(self.base_epoch + epoch_idx, idx))
+
+    def read(self, idx: np.ndarray, epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``(served, data)``: the arrays DALI gets for samples ``idx`` (:meth:`record`), and the
+        dataset indices they are of: ``idx`` itself, or a copy with every corrupt record replaced
+        by its substitute under ``on_error="skip"`` (its label and crop box follow from it)."""
+        if self._pack is None:
+            self._pack = open_pack(self.root, check_files=False)
+        served, data = idx, []
+        for j, i in enumerate(idx.tolist()):
+            try:
+                data.append(self.record(i))
+            except (DecodeError, FormatError) as exc:
+                if self.on_error != "skip":
+                    raise
+                s, arr = first_substitute(i, len(self.labels), seed=self.seed, epoch=epoch, error=exc,
+                                          attempt=self.record)
+                if served is idx:
+                    served = idx.copy()  # idx may be a view of the cached epoch order
+                served[j] = s
+                data.append(arr)
+                print(f"fastload DALI source (on_error='skip', epoch {epoch}): {exc}; served "
+                      f"{describe_record(self._pack, s)} in its place", file=sys.stderr, flush=True)
+        return served, data
+
+    def record(self, i: int) -> np.ndarray:
+        """Record ``i`` as DALI's input (encoded bytes, or a raw payload's HWC pixels), after a
+        cheap check (:func:`payload_problem`; raw: the byte count) so that a damaged record
+        raises here, naming itself, instead of failing inside DALI, which names neither."""
+        if self._pack is None:
+            self._pack = open_pack(self.root, check_files=False)
+        pack = self._pack
+        try:
+            buf = np.frombuffer(pack.get(i), dtype=np.uint8)
+        except (FormatError, OSError) as exc:
+            raise read_error(pack, i, exc) from None
+        if self.shapes is not None:
+            h, w, c = (int(v) for v in self.shapes[i])
+            if buf.size != h * w * c:
+                raise read_error(pack, i, f"raw record has {buf.size} bytes, expected {h}x{w}x{c}")
+            return buf.reshape(h, w, c).copy()
+        problem = payload_problem(buf, pack.payload, None if self.hw is None else self.hw[i])
+        if problem is not None:
+            raise decode_error(pack, i, problem)
+        return np.array(buf)
+
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+# Besides JPEG, what a payload "original" (a source file's own bytes) can start with: the
+# formats the packer accepts (fastload.image.IMG_EXTENSIONS), all of which DALI decodes.
+_SIGNATURES = {
+    "png": (_PNG,),
+    "bmp": (b"BM",),
+    "original": (_PNG, b"BM", b"II*\x00", b"MM\x00*", b"RIFF", b"P1", b"P2", b"P3", b"P4", b"P5", b"P6"),
+}
+
+
+def payload_problem(buf: np.ndarray, payload: str, hw: Sequence[int] | None = None) -> str | None:
+    """What is wrong with an encoded record, from a few header bytes, or None if nothing shows.
+
+    JPEG: the start-of-image marker and a header fastload's own parser reads (when the turbo-crop
+    extension is built), and for payload ``"jpeg"`` (fastload's encoder) the end-of-image
+    marker last and the header's size equal to the index's ``hw``. A source file (``"original"``)
+    may carry data after its image (a camera's trailer, a motion photo's video), so its end is
+    not checked. PNG/BMP: the signature. Damage inside the compressed data gets past these
+    checks: DALI's decoder then fails the pipeline.
+    """
+    n = buf.size
+    if n < 4:
+        return f"a {n}-byte payload is no image"
+    if buf[0] == 0xFF and buf[1] == 0xD8:
+        if payload not in ("jpeg", "original"):
+            return f"a JPEG in a {payload} pack"
+        if payload == "jpeg" and not (buf[-2] == 0xFF and buf[-1] == 0xD9):
+            return f"no JPEG end-of-image marker at the end of its {n} bytes (truncated or overwritten)"
+        if _jpegcrop.available():
+            try:
+                h, w = _jpegcrop.header(buf)
+            except DecodeError as exc:
+                return str(exc)
+            if payload == "jpeg" and hw is not None and (h, w) != (int(hw[0]), int(hw[1])):
+                return f"its JPEG header says {h}x{w}, the pack's index {int(hw[0])}x{int(hw[1])}"
+        return None
+    if payload == "jpeg":
+        return f"no JPEG start-of-image marker (starts with {bytes(buf[:4]).hex(' ')})"
+    head = bytes(buf[:8])
+    if any(head.startswith(sig) for sig in _SIGNATURES.get(payload, ())):
+        return None
+    return f"not a {payload} image (starts with {head[:4].hex(' ')})"
 
 
 class DALILoader:
@@ -169,6 +258,15 @@ class DALILoader:
     fastload's sampler, a finished epoch moves on to the next by itself); ``state_dict`` /
     ``load_state_dict`` resume mid-epoch at batch granularity. Re-iterating after breaking out
     early continues the unfinished epoch.
+
+    ``on_error``: ``"raise"`` (default) stops at a record that cannot be read or fails the
+    source's check (:func:`payload_problem`), with an error naming the record, its shard and its
+    source file; ``"skip"`` serves the same deterministic substitute as fastload's DataLoader
+    (its image, label and crop box), so batches stay full and the epoch keeps its length. The
+    source runs in DALI's worker processes, so replacements are not counted here: each one is
+    one line on stderr naming the record and its substitute. The check reads only headers and
+    markers; a record damaged inside its compressed data still fails DALI's decoder, which
+    ends the pipeline (``fastload verify`` finds such shards).
     """
 
     def __init__(
@@ -196,8 +294,11 @@ class DALILoader:
         py_num_workers: int = 2,
         py_start_method: str | None = None,
         prefetch_queue_depth: int = 2,
+        on_error: str = "raise",
     ):
         import torch
+
+        on_error = "skip" if on_error_skips(on_error) else "raise"  # ValueError before anything starts
 
         self._dali_mod = _dali()
         if device not in ("gpu", "cpu"):
@@ -239,6 +340,7 @@ class DALILoader:
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
         self.prefetch_queue_depth = int(prefetch_queue_depth)
+        self.on_error = on_error
 
         self.normalization = as_normalization(normalization, mean=mean, std=std)
         rgb = (self.normalization or SCALE_ONLY).broadcast(3)  # the pipeline decodes to RGB
@@ -274,7 +376,7 @@ class DALILoader:
         return PackBatchSource(
             self.root, labels=self._labels, shapes=self._shapes, plan=self.order.plan,
             base_epoch=base_epoch, start=start,
-            hw=self._hw, scale=self.scale if self.train else None, ratio=self.ratio,
+            hw=self._hw, scale=self.scale if self.train else None, ratio=self.ratio, on_error=self.on_error,
         )
 
     @property

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..data.plan import EpochPlan
 from ..errors import FormatError
+from ..gpu.pinning import HostHold
 from ..gpu.transforms import apply_scale_shift
 from ..normalization import IMAGENET, Normalization, as_normalization, scale_shift
 from .distributed import DistInfo, all_reduce_sum, barrier
@@ -118,6 +119,7 @@ class EpochStats:
     data_seconds: float  # host time spent waiting for the next batch
     peak_memory_bytes: int
     completed: bool  # False if stopped early (max_steps) mid-epoch
+    replaced: int = 0  # corrupt records replaced by substitutes on this rank (loader on_error="skip")
 
     @property
     def images_per_sec(self) -> float:
@@ -223,23 +225,35 @@ def apply_activation_checkpointing(model: nn.Module, names: Iterable[str]) -> nn
     return model
 
 
-def _padded_tail(loader: Any) -> int:
-    """Samples at the end of one pass of ``loader`` on this rank that repeat other ranks' samples.
-
-    Read from ``num_padded`` (fastload's DataLoader), on ``loader`` or on the loaders it wraps
-    through ``.loader`` (CUDAPrefetcher); 0 when none of them has it.
-    """
+def _find(loader: Any, name: str) -> Any:
+    """Attribute ``name`` of ``loader`` or of the first loader it wraps through ``.loader``
+    (CUDAPrefetcher) that has it; None when none does."""
     seen: set[int] = set()
     while loader is not None and id(loader) not in seen:
         seen.add(id(loader))
-        pad = getattr(loader, "num_padded", None)
-        if pad is not None:
-            pad = int(pad)
-            if pad < 0:
-                raise ValueError(f"{type(loader).__name__}.num_padded must be >= 0, got {pad}")
-            return pad
+        value = getattr(loader, name, None)
+        if value is not None:
+            return value
         loader = getattr(loader, "loader", None)
-    return 0
+    return None
+
+
+def _padded_tail(loader: Any) -> int:
+    """Samples at the end of one pass of ``loader`` on this rank that repeat other ranks'
+    samples: ``num_padded`` of fastload's loaders (0 when the loader does not say)."""
+    pad = _find(loader, "num_padded")
+    if pad is None:
+        return 0
+    pad = int(pad)
+    if pad < 0:
+        raise ValueError(f"{type(loader).__name__}.num_padded must be >= 0, got {pad}")
+    return pad
+
+
+def _replaced_so_far(loader: Any) -> int:
+    """Corrupt records a fastload DataLoader has served substitutes for (``on_error="skip"``)."""
+    stats = _find(loader, "stats")
+    return int(stats().get("replaced", 0)) if callable(stats) else 0
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -310,7 +324,7 @@ class Trainer:
                                            enabled=dtype is not None)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.precision is Precision.FP16)
         self._norm_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # channels -> (scale, shift)
-        self._host_inflight: collections.deque = collections.deque()  # (CUDA event, pinned host batch)
+        self._host_hold = HostHold()  # pinned host batches until their non_blocking copies have run
 
     # -- the step ------------------------------------------------------------------------
     @property
@@ -337,13 +351,8 @@ class Trainer:
         y = y.to(self.device, non_blocking=True)
         if pinned_copy:
             # The copy runs when the stream gets to it, maybe steps after the host dropped the
-            # batch; a loader could refill that pinned memory meanwhile. Hold the batch until
-            # the copy's event has fired (query, not synchronize: the host never waits here).
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._host_inflight.append((done, batch))
-            while self._host_inflight and self._host_inflight[0][0].query():
-                self._host_inflight.popleft()
+            # batch; a loader could refill that pinned memory meanwhile (the slot-release rule).
+            self._host_hold.hold(batch, torch.cuda.current_stream(self.device))
         if not x.is_floating_point():
             # uint8 stays uint8 until here: convert and normalise on the device, with the
             # arithmetic of fastload.gpu.transforms.normalize (so the floats are the same).
@@ -396,6 +405,7 @@ class Trainer:
             )
         self.model.train()
         reset_peak_memory(self.device)
+        replaced_before = _replaced_so_far(loader)
         loss_sum = torch.zeros((), device=self.device)
         micro = samples = steps = 0
         pos = self._epoch_pos
@@ -442,10 +452,10 @@ class Trainer:
         # clock, or a GPU epoch would look faster than it was.
         mean_loss = loss_sum.item() / micro if micro else float("nan")
         seconds = time.perf_counter() - t_start
-        self._host_inflight.clear()  # the sync above finished every copy
+        self._host_hold.drain()  # the sync above finished every copy: this only drops them
         stats = EpochStats(epoch=self.epoch, steps=steps, samples=samples * self.dist.world_size, loss=mean_loss,
                            seconds=seconds, data_seconds=data_s, peak_memory_bytes=peak_memory_bytes(self.device),
-                           completed=completed)
+                           completed=completed, replaced=_replaced_so_far(loader) - replaced_before)
         if completed:
             self.epoch += 1
             self._epoch_pos = 0
@@ -494,7 +504,7 @@ class Trainer:
             sums[3] -= repeats.shape[0]
         all_reduce_sum(sums)
         loss, c1, c5, n = sums.tolist()
-        self._host_inflight.clear()  # tolist() synchronised: every copy has run
+        self._host_hold.drain()  # tolist() synchronised: every copy has run
         self.model.train(was_training)
         if n == 0:
             raise ValueError("evaluation loader yielded no samples")
@@ -513,6 +523,9 @@ class Trainer:
             rec: dict[str, Any] = {"epoch": tr.epoch, "train": tr.as_dict()}
             msg = (f"epoch {tr.epoch}: train loss {tr.loss:.4f}, {tr.images_per_sec:,.0f} img/s, "
                    f"data stall {tr.data_stall:.0%}, peak mem {tr.peak_memory_bytes / 2**20:,.0f} MiB")
+            replaced = int(all_reduce_sum(torch.tensor([tr.replaced], device=self.device)).item())  # every rank calls this
+            if replaced:
+                msg += f", {replaced} corrupt record(s) replaced by substitutes (see loader.stats())"
             if val_loader is not None:
                 ev = self.evaluate(val_loader)
                 rec["val"] = ev.as_dict()
