@@ -69,7 +69,7 @@ class PackSummary:
         """The one-line summary the CLI prints."""
         return (
             f"packed {self.packed} images ({self.skipped} skipped) into {self.shards} shard"
-            f"{'' if self.shards == 1 else 's'}, {_human(self.bytes)} in {self.seconds:.1f} s "
+            f"{'' if self.shards == 1 else 's'}, {human_bytes(self.bytes)} in {self.seconds:.1f} s "
             f"({self.images_per_s:.0f} images/s) -> {self.dest}"
         )
 
@@ -603,7 +603,8 @@ def _looks_full(dest: Path, tmp_size: int) -> bool:
     return soft != resource.RLIM_INFINITY and tmp_size >= soft - 65536
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """A byte count for people: 1.5 MiB (shared by pack summaries and inspect)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -12,8 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import FormatError
-
-Buffer = bytes | bytearray | memoryview | np.ndarray
+from .buffer import Buffer
 
 
 class Encoder(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import Buffer
+from .buffer import Buffer
 from ._cv import imdecode_rgb, imencode_rgb
 
 NAME = "bmp"

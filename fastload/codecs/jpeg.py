@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 
 from ..errors import DecodeError
-from . import Buffer
+from .buffer import Buffer
 from ._cv import as_u8, imdecode_rgb, imencode_rgb
 
 NAME = "jpeg"

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from ..image import load_source
-from . import Buffer
+from .buffer import Buffer
 from ._cv import as_u8, imdecode_rgb, shrink
 
 NAME = "original"

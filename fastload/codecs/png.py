@@ -5,7 +5,7 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-from . import Buffer
+from .buffer import Buffer
 from ._cv import imdecode_rgb, imencode_rgb
 
 NAME = "png"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DecodeError
-from . import Buffer
+from .buffer import Buffer
 from ._cv import as_u8, check_rgb
 
 NAME = "raw"

@@ -66,7 +66,7 @@ def _unfinished_hint(dest: Path) -> str:
 
 
 def run(args) -> int:
-    from ..pack import _human
+    from ..pack import human_bytes
 
     d = describe(args.dest)
     if args.json:
@@ -91,8 +91,8 @@ def run(args) -> int:
         + (f", {d['parts']} parts" if d["parts"] > 1 else "") + ")",
         f"  source:      {d['source'] or 'not recorded'}",
         f"  classes:     {d['num_classes']}: {', '.join(cls[:_SHOW])}{more}",
-        f"  shards:      {d['num_shards']}, {_human(d['bytes'])} total"
-        + (f" (smallest {_human(min(sizes))}, largest {_human(max(sizes))})" if sizes else ""),
+        f"  shards:      {d['num_shards']}, {human_bytes(d['bytes'])} total"
+        + (f" (smallest {human_bytes(min(sizes))}, largest {human_bytes(max(sizes))})" if sizes else ""),
         f"  image shape: {shape}",
         f"  options:     {opts}",
         f"  skipped:     {d['num_skipped']}",
