@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from .checks import check_batch_args
+from .data.protocols import on_error_skips
 from .gpu.prefetcher import resolve_device
 from .normalization import Normalization, as_normalization
 
@@ -63,6 +64,7 @@ def make_loader(
     ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
     resize_ratio: float = 0.875,
     depth: int = 2,
+    on_error: str = "raise",
     loader_kwargs: dict[str, Any] | None = None,
 ) -> BatchLoader:
     """Batches of the packed dataset at ``root``, ready for the model on ``device``.
@@ -75,7 +77,8 @@ def make_loader(
     ``device=None`` means the current CUDA device, or the CPU without CUDA. ``num_workers``
     sets the CPU backend's worker processes (DALI's CPU threads for ``"dali"``).
     ``distributed``: ``None`` reads rank and world size from ``torch.distributed`` when it is
-    initialised, or pass ``(rank, world_size)``. ``loader_kwargs`` go to the backend's loader
+    initialised, or pass ``(rank, world_size)``. ``on_error``: ``"raise"`` or ``"skip"`` for
+    corrupt records (see :class:`fastload.DataLoader`). ``loader_kwargs`` go to the backend's loader
     (fastload ``DataLoader`` or ``DALILoader``) unchanged.
     """
     try:
@@ -83,6 +86,7 @@ def make_loader(
     except ValueError:
         raise ValueError(f"backend must be one of {', '.join(b.value for b in Backend)}, got {backend!r}") from None
     check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
+    on_error_skips(on_error)
     norm = as_normalization(normalization, mean=mean, std=std)
     dev = resolve_device(device)
     shuffle = train if shuffle is None else bool(shuffle)
@@ -97,7 +101,7 @@ def make_loader(
         return DALILoader(
             root, batch_size, device="gpu" if dev.type == "cuda" else "cpu",
             device_id=dev.index if dev.type == "cuda" else None,
-            shuffle=shuffle, seed=seed, drop_last=drop_last, crop=crop, normalization=norm,
+            shuffle=shuffle, seed=seed, drop_last=drop_last, crop=crop, normalization=norm, on_error=on_error,
             distributed=distributed, train=train, dtype=dtype, channels_last=channels_last,
             scale=scale, ratio=ratio, resize_ratio=resize_ratio, **extra,
         )
@@ -114,6 +118,6 @@ def make_loader(
     dataset = ImageFolder(root, transform=transform, seed=seed)
     loader = DataLoader(
         dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-        num_workers=num_workers, distributed=distributed, **extra,
+        num_workers=num_workers, distributed=distributed, on_error=on_error, **extra,
     )
     return CUDAPrefetcher(loader, dev, normalization=norm, dtype=dtype, channels_last=channels_last, depth=depth)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fastload import ImageFolder
@@ -474,3 +475,97 @@ def test_dali_source_payload_check():
     assert payload_problem(png, "png") is None and payload_problem(png, "original") is None
     assert "not a bmp" in payload_problem(png, "bmp")
     assert "no image" in payload_problem(np.zeros(2, np.uint8), "png")
+
+
+# -- the loaders: a whole epoch over a damaged pack --------------------------------------------
+
+
+def _ring_loader(root, *, workers, on_error, transform=RRC, **kw):
+    from fastload.data.loader import DataLoader
+
+    return DataLoader(ImageFolder(root, Compose(list(transform))), 4, num_workers=workers, seed=2,
+                      on_error=on_error, pin_memory=False, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_skip_finishes_the_epoch_with_fixed_batches_and_reports_exactly_the_bad_records(damaged, workers):
+    loader = _ring_loader(damaged, workers=workers, on_error="skip")
+    assert loader.mode == "ring"
+    shapes, labels = [], []
+    for images, targets in loader:
+        shapes.append(tuple(images.shape[1:]))
+        labels += targets.tolist()
+    assert len(labels) == N and set(shapes) == {(3, 24, 24)}  # the epoch's length and shapes stay fixed
+    stats = loader.stats()
+    assert stats["replaced"] == len(BAD)
+    assert sorted(r.index for r in stats["records"]) == sorted(BAD)
+    for r in stats["records"]:
+        assert r.substitute not in BAD and r.epoch == 0 and "record" in r.reason
+    # the substitutes' labels are served in the bad records' places (position by position)
+    ds = ImageFolder(damaged)
+    order = loader.plan.indices(0).tolist()
+    subs = {r.index: r.substitute for r in stats["records"]}
+    assert labels == [int(ds.targets[subs.get(i, i)]) for i in order]
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_skip_is_deterministic_and_equal_across_worker_counts(damaged, workers):
+    def run(w):
+        with _ring_loader(damaged, workers=w, on_error="skip") as loader:
+            return [(x.clone(), y.clone()) for x, y in loader]
+
+    a, b = run(workers), run(0)
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_raise_names_the_record_shard_and_source(damaged, workers):
+    loader = _ring_loader(damaged, workers=workers, on_error="raise")
+    with pytest.raises((DecodeError, FormatError)) as err:
+        for _ in loader:
+            pass
+    msg = str(err.value)
+    bad = [i for i in BAD if f"dataset index {i}" in msg]
+    assert len(bad) == 1
+    _names_record(msg, damaged, bad[0], ImageFolder(damaged).path(bad[0]))
+    loader.close()
+
+
+def test_per_sample_path_skips_too_and_reports(damaged):
+    from fastload.data.loader import DataLoader
+
+    transform = Compose([*RRC, ToTensor(scale=False)])
+    with pytest.warns(Warning, match="per-sample"):
+        loader = DataLoader(ImageFolder(damaged, transform), 4, num_workers=2, seed=2, on_error="skip",
+                            pin_memory=False)
+    assert loader.mode == "per-sample"
+    n = sum(len(y) for _, y in loader)
+    assert n == N and sorted(r.index for r in loader.stats()["records"]) == sorted(BAD)
+    loader.close()
+
+
+def test_trainer_epoch_line_reports_replaced_records(damaged):
+    from torch import nn
+
+    from fastload.train import Trainer, TrainConfig
+
+    loader = _ring_loader(damaged, workers=0, on_error="skip")
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 24 * 24, 3))
+    lines = []
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), config=TrainConfig(), device="cpu",
+                      log=lines.append)
+    trainer.fit(loader, epochs=1)
+    assert "3 corrupt record(s) replaced" in lines[0]
+    assert trainer.history[0]["train"]["replaced"] == 3
+
+
+def test_make_loader_passes_the_policy(damaged):
+    from fastload import make_loader
+
+    loader = make_loader(damaged, backend="cpu", batch_size=4, crop=24, device="cpu", num_workers=0,
+                         on_error="skip", drop_last=False)
+    assert sum(len(y) for _, y in loader) == N
+    assert loader.loader.stats()["replaced"] == len(BAD)
+    with pytest.raises(ValueError, match="on_error"):
+        make_loader(damaged, backend="cpu", batch_size=4, device="cpu", on_error="ignore")

@@ -30,7 +30,7 @@ from ..codecs import jpegcrop as _jpegcrop
 from ..errors import DecodeError, FastloadError, FormatError
 from ..storage import PackReader, open_pack
 from .draws import SUBSTITUTE_CANDIDATES, BatchDraws, SampleDraws, substitute_index
-from .protocols import OnRecordError, Replacement
+from .protocols import Replacement, on_error_skips
 from .transforms import Compose, Normalize, Plan, ToTensor, Transform, as_compose, fixed_output_hw
 
 IMAGE_TYPES = ("numpy", "tensor", "pil")
@@ -439,17 +439,6 @@ class ImageFolder:
 # -- corrupt records: naming them, the policy, substitutes (shared with gpu/dali.py) ----------
 
 _T = TypeVar("_T")
-
-
-def on_error_skips(on_error: str) -> bool:
-    """Whether the corrupt-record policy ``on_error`` (:class:`OnRecordError`) is "skip".
-    Two string compares, so readers can check it per sample; ValueError for anything else."""
-    if on_error == "skip":  # an OnRecordError member compares equal to its value
-        return True
-    if on_error == "raise":
-        return False
-    allowed = ", ".join(repr(e.value) for e in OnRecordError)
-    raise ValueError(f"on_error must be one of {allowed}, got {on_error!r}")
 
 
 def describe_record(reader: PackReader, i: int, *, source: str | None = None) -> str:

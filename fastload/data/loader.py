@@ -57,7 +57,7 @@ from ..config import usable_cpus
 from .collate import collate_uint8
 from .order import Order
 from .plan import EpochPlan
-from .protocols import BatchFiller, EpochDataset, OnRecordError, Replacement
+from .protocols import BatchFiller, EpochDataset, OnRecordError, Replacement, on_error_skips
 from .ring import Ring
 from .workers import WorkerError, Workers, raise_worker_error
 
@@ -196,11 +196,8 @@ class DataLoader:
             raise ValueError(f"ring_slots ({self.ring_slots}) must be >= prefetch ({self.prefetch})")
         self.ring_dir = None if ring_dir is None else str(ring_dir)
         self.copy = bool(copy)
-        try:
-            self.on_error = OnRecordError(on_error).value
-        except ValueError:
-            raise ValueError(f"on_error must be one of {', '.join(e.value for e in OnRecordError)}, "
-                             f"got {on_error!r}") from None
+        on_error_skips(on_error)  # the one check of the policy's value
+        self.on_error = OnRecordError(on_error).value
         self.collate_fn = collate_fn
         self.multiprocessing_context = multiprocessing_context
         self.mode, self._image_shape = self._choose_path(dataset, collate_fn)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BatchFiller", "EpochDataset", "OnRecordError", "Replacement"]
+__all__ = ["BatchFiller", "EpochDataset", "OnRecordError", "Replacement", "on_error_skips"]
 
 
 class OnRecordError(str, enum.Enum):
@@ -27,6 +27,17 @@ class OnRecordError(str, enum.Enum):
 
     RAISE = "raise"  # stop: an error naming the record, its shard and its source file
     SKIP = "skip"  # replace it with a deterministic substitute, count it, go on
+
+
+def on_error_skips(on_error: str) -> bool:
+    """Whether the corrupt-record policy ``on_error`` (:class:`OnRecordError`) is "skip".
+    Two string compares, so readers can check it per sample; ValueError for anything else."""
+    if on_error == "skip":  # an OnRecordError member compares equal to its value
+        return True
+    if on_error == "raise":
+        return False
+    allowed = ", ".join(repr(e.value) for e in OnRecordError)
+    raise ValueError(f"on_error must be one of {allowed}, got {on_error!r}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from ..checks import check_batch_args, resolve_distributed
 from ..data.order import Order
 from ..data.plan import EpochPlan
 from ..codecs import jpegcrop as _jpegcrop
-from ..data.dataset import decode_error, describe_record, first_substitute, on_error_skips, read_error
+from ..data.dataset import decode_error, describe_record, first_substitute, read_error
+from ..data.protocols import on_error_skips
 from ..errors import DecodeError, FormatError, require
 from ..normalization import SCALE_ONLY, Normalization, as_normalization
 from ..storage import open_pack
