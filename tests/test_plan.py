@@ -111,6 +111,36 @@ def test_every_loader_yields_the_plans_batches(p, epoch):
         assert len(sampler) == plan.replace(batch_size=1).num_batches()
 
 
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 5), batch=st.integers(1, 13), drop_last=st.booleans(), accum=st.integers(1, 3))
+def test_dali_fastload_make_loader_and_check_batch_geometry_agree(aug_pack, world, batch, drop_last, accum):
+    """Every loader over a real pack, on every rank, and check_batch_geometry count the same
+    batches (constructing the DALI loader builds no pipeline)."""
+    pytest.importorskip("nvidia.dali")
+    from fastload.gpu.dali import DALILoader
+    from fastload.loaders import make_loader
+
+    ds = ImageFolder(aug_pack, T.RandomResizedCrop(16))  # the ring path
+    n = len(ds)
+    want = EpochPlan(n, batch_size=batch, world_size=world, drop_last=drop_last).num_batches()
+    for r in range(world):
+        kw = dict(seed=1, drop_last=drop_last, distributed=(r, world))
+        counts = {len(DataLoader(ds, batch, num_workers=0, **kw))}
+        if want:
+            counts.add(len(DALILoader(aug_pack, batch, device="cpu", crop=16, **kw)))
+            counts.add(len(make_loader(aug_pack, backend="cpu", batch_size=batch, crop=16, device="cpu",
+                                       num_workers=0, **kw)))
+        else:
+            with pytest.raises(ValueError, match="make no batch"):
+                DALILoader(aug_pack, batch, device="cpu", crop=16, **kw)
+        assert counts == {want}
+    try:
+        assert check_batch_geometry(n, batch_size=batch, world_size=world, accum_steps=accum,
+                                    drop_last=drop_last) == want
+    except ValueError as exc:
+        assert n < batch * world * accum or want < accum, exc
+
+
 def _elastic(n, seed, shuffle, drop_last, epoch, w1, b1, k, w2, b2, workers=0, dataset=None):
     """Run ``k`` batches on ``w1`` simulated ranks, checkpoint (rank 0's state), resume on
     ``w2`` ranks with batch size ``b2``; return (first part per rank, rest per rank, state)."""
@@ -258,3 +288,29 @@ def test_real_torchrun_two_ranks_then_resume_on_one(tmp_path):
     assert all(len(f) == 3 * 4 for f in first)  # 3 batches of 4 on each of the 2 ranks
     both = Counter(np.concatenate([*first, rest]).tolist())
     assert set(both) == set(range(n)) and max(both.values()) == 1  # one rank: no padding
+
+
+@pytest.mark.slow
+def test_real_torchrun_trainer_checkpointed_on_two_ranks_finishes_the_epoch_on_one(tmp_path):
+    """The Trainer's mid-epoch checkpoint is elastic too: 2 ranks train 2 steps of epoch 0
+    (2 x 2 x 64 images), 1 rank resumes and trains exactly the rest of the epoch's images."""
+    import json
+
+    from _train_helpers import pack_digits
+
+    tr, _ = pack_digits(tmp_path)
+    n = len(ImageFolder(tr))
+    torchrun = shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    script = Path(__file__).with_name("ddp_trainer_elastic.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for world, phase in ((2, "first"), (1, "rest")):
+        proc = subprocess.run([*cmd, "--standalone", f"--nproc_per_node={world}", str(script), str(tr),
+                               str(tmp_path), phase], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads((tmp_path / "first.json").read_text())
+    rest = json.loads((tmp_path / "rest.json").read_text())
+    assert first == {**first, "world_size": 2, "samples": 2 * 2 * 64, "steps": 2, "completed": False}
+    assert rest["world_size"] == 1 and rest["completed"] and rest["epoch_after"] == 1
+    assert rest["samples"] == n - first["samples"]  # one rank: no padding, every image once
+    assert rest["steps"] == -(-(n - first["samples"]) // 64) and rest["total_steps"] == 2 + rest["steps"]

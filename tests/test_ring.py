@@ -139,3 +139,21 @@ def test_per_sample_path_keeps_the_users_seed(jpeg_pack):
     for img, i in zip(first[0][0], idx.tolist()):
         want = ref.load(i, epoch=0, seed=7)
         assert np.array_equal(img.permute(1, 2, 0).numpy(), want)
+
+
+def test_a_ring_with_no_margin_recovers_slots_from_an_abandoned_pass(jpeg_pack):
+    """ring_slots == prefetch: every batch is copied, and after a break the slots still in
+    flight for the abandoned pass come back before the new pass can send work."""
+    ds = ImageFolder(jpeg_pack, AUG)
+    ref = collect(DataLoader(ds, 3, num_workers=0, seed=8, pin_memory=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        with DataLoader(ds, 3, num_workers=2, seed=8, prefetch=2, ring_slots=2, pin_memory=False) as loader:
+            got = []
+            for x, y in loader:
+                got.append((x, y))
+                break  # two tasks were in flight
+            got += list(loader)  # the rest of the epoch
+            assert loader.stats()["copied"] == len(got)
+    assert len(got) == len(ref)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, ref))

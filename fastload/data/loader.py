@@ -373,30 +373,31 @@ class DataLoader:
                     in_flight.add(send)
                     self._outstanding += 1
                     send += 1
-                if want not in ready and self._outstanding == 0:  # pragma: no cover - guarded by _wrap's copies
+                if want in ready:
+                    slot = ready.pop(want)
+                    batch = self._wrap(ring, slot, len(order.batch(idx, want)))
+                    order.advance(epoch, want)
+                    want += 1
+                    yield batch
+                    continue
+                if self._outstanding == 0:  # pragma: no cover - _wrap's copies keep slots free
                     raise RuntimeError("fastload.DataLoader: no free ring slot and nothing in flight")
-                while want not in ready:
-                    try:
-                        g, b, slot, err, reps, wid, rss = workers.results.get(timeout=1.0)
-                    except queue.Empty:
-                        workers.check_alive()
-                        continue
-                    self.worker_rss[wid] = rss
-                    self._outstanding -= 1
-                    if g != gen:  # left over from an iteration the caller abandoned
-                        ring.release(slot)
-                        continue
-                    in_flight.discard(b)
-                    if err is not None:
-                        ring.release(slot)
-                        raise_worker_error(b, err)
-                    self._note_replaced(reps)
-                    ready[b] = slot
-                slot = ready.pop(want)
-                batch = self._wrap(ring, slot, len(order.batch(idx, want)))
-                order.advance(epoch, want)
-                want += 1
-                yield batch
+                try:
+                    g, b, slot, err, reps, wid, rss = workers.results.get(timeout=1.0)
+                except queue.Empty:
+                    workers.check_alive()
+                    continue
+                self.worker_rss[wid] = rss
+                self._outstanding -= 1
+                if g != gen:  # left over from an iteration the caller abandoned: its slot is free again
+                    ring.release(slot)
+                    continue
+                in_flight.discard(b)
+                if err is not None:
+                    ring.release(slot)
+                    raise_worker_error(b, err)
+                self._note_replaced(reps)
+                ready[b] = slot
         finally:
             for slot in ready.values():
                 ring.release(slot)

@@ -257,8 +257,9 @@ class DALILoader:
     resize the shorter side to ``crop / 0.875`` and centre-crop. ``len()`` is the number of
     batches per epoch on this rank. ``set_epoch(e)`` selects the epoch's shuffle (like
     fastload's sampler, a finished epoch moves on to the next by itself); ``state_dict`` /
-    ``load_state_dict`` resume mid-epoch at batch granularity. Re-iterating after breaking out
-    early continues the unfinished epoch.
+    ``load_state_dict`` resume mid-epoch from a global position (the same ``{"order": ...}``
+    state as fastload's DataLoader: either loads the other's, on any number of ranks).
+    Re-iterating after breaking out early continues the unfinished epoch.
 
     ``on_error``: ``"raise"`` (default) stops at a record that cannot be read or fails the
     source's check (:func:`payload_problem`), with an error naming the record, its shard and its
