@@ -36,3 +36,18 @@ def collect(loader, limit: int | None = None, *, copy: bool = True) -> list:
         if limit is not None and k + 1 >= limit:
             break
     return out
+
+
+class Indices:
+    """A dataset whose sample i is a small uint8 image filled with ``i % 256`` and label i, so
+    the targets a loader yields are the dataset indices it read."""
+
+    def __init__(self, n: int, hw: tuple[int, int] = (4, 4)):
+        self.n = n
+        self.hw = hw
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full((*self.hw, 3), i % 256, np.uint8), i

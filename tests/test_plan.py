@@ -26,20 +26,7 @@ from fastload.data.plan import EpochPlan
 from fastload.data.sampler import DistributedEpochSampler
 from fastload.train import check_batch_geometry
 
-from _data_helpers import make_pack
-
-
-class Indices:
-    """A dataset whose sample i is a tiny image and label i (targets are the indices)."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        return np.full((2, 2, 3), i % 256, np.uint8), i
+from _data_helpers import Indices, make_pack
 
 
 def _targets(batches) -> list[int]:
