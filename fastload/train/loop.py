@@ -253,7 +253,8 @@ def _padded_tail(loader: Any) -> int:
 def _replaced_so_far(loader: Any) -> int:
     """Corrupt records a fastload DataLoader has served substitutes for (``on_error="skip"``)."""
     stats = _find(loader, "stats")
-    return int(stats().get("replaced", 0)) if callable(stats) else 0
+    found = stats() if callable(stats) else None
+    return int(found.get("replaced", 0)) if isinstance(found, dict) else 0
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
