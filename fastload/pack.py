@@ -29,6 +29,7 @@ import numpy as np
 from .config import OnError, PackConfig, usable_cpus
 from .errors import DecodeError, FastloadError, PackError
 from .scan import SourceListing, list_source, scan_source
+from .storage.index_file import index_name, write_index_file
 from .schema import (
     FORMAT_VERSION,
     Manifest,
@@ -167,6 +168,7 @@ def _own_patterns(part: int, parts: int) -> list[re.Pattern]:
     tail = r"(\.tmp|\.blob\.tmp|\.tmp-lock)?"
     return [
         re.compile(rf"^{pre}shard-\d{{5}}\.(lmdb|h5){tail}$"),
+        re.compile(rf"^{re.escape(index_name(part_prefix(part, parts)))}(\.tmp)?$"),
         re.compile(rf"^{re.escape(manifest_name(part, parts))}(\.tmp)?$"),
         re.compile(rf"^{re.escape(journal_name(part, parts))}(\.tmp)?$"),
     ]
@@ -180,6 +182,7 @@ def _sibling_patterns(parts: int) -> list[re.Pattern]:
     tail = r"(\.tmp|\.blob\.tmp|\.tmp-lock)?"
     return [
         re.compile(rf"^p\d{{5}}-of-{n}-shard-\d{{5}}\.(lmdb|h5){tail}$"),
+        re.compile(rf"^p\d{{5}}-of-{n}-index\.fli(\.tmp)?$"),
         re.compile(rf"^manifest-p\d{{5}}-of-{n}\.json(\.tmp)?$"),
         re.compile(rf"^\.fastload-pack-p\d{{5}}-of-{n}\.json(\.tmp|\.lock)?$"),
     ]
@@ -187,6 +190,7 @@ def _sibling_patterns(parts: int) -> list[re.Pattern]:
 
 _ANY_FASTLOAD = [
     re.compile(r"^(p\d{5}-of-\d{5}-)?shard-\d{5}\.(lmdb|h5)(\.tmp|\.blob\.tmp|\.tmp-lock)?$"),
+    re.compile(r"^(p\d{5}-of-\d{5}-)?index\.fli(\.tmp)?$"),
     re.compile(r"^manifest(-p\d{5}-of-\d{5})?\.json(\.tmp)?$"),
     re.compile(r"^\.fastload-pack(-p\d{5}-of-\d{5})?\.json(\.tmp|\.lock)?$"),
 ]
@@ -438,6 +442,17 @@ class _PackRun:
         self.shapes.append(self.writer_shape)
         self._journal()
 
+    def _write_index(self) -> ShardEntry:
+        """The part's index file, from its finished shards (before the manifest, which lists it)."""
+        from .storage import ShardIndex, make_shard_reader
+
+        name = index_name(part_prefix(self.cfg.part, self.cfg.parts))
+        index = ShardIndex.concat(
+            make_shard_reader(self.cfg.backend, self.dest / e.file, e.num_samples).read_index() for e in self.entries
+        )
+        size, digest = write_index_file(self.dest / name, index)
+        return ShardEntry(file=name, num_samples=len(index), bytes=size, sha256=digest)
+
     def _tmp_size(self) -> int:
         try:
             return self.writer.tmp_path.stat().st_size if self.writer is not None else 0
@@ -472,7 +487,8 @@ class _PackRun:
                     f"{self.listing.base}: none of the {len(self.skipped)} inputs could be read "
                     f"(first: {self.skipped[0][1].path}: {self.skipped[0][1].reason})"
                 )
-            write_manifest(self.dest / manifest_name(self.cfg.part, self.cfg.parts), self._manifest())
+            index = self._write_index()
+            write_manifest(self.dest / manifest_name(self.cfg.part, self.cfg.parts), self._manifest(index))
             self.jpath.unlink(missing_ok=True)
         except BaseException as exc:
             tmp_size = self._tmp_size()
@@ -543,7 +559,7 @@ class _PackRun:
         if self.writer.payload_bytes >= self.cfg.shard_size:
             self._finish_shard()
 
-    def _manifest(self) -> Manifest:
+    def _manifest(self, index: ShardEntry) -> Manifest:
         image_shape = None
         if self.shapes and isinstance(self.shapes[0], list) and all(s == self.shapes[0] for s in self.shapes):
             image_shape = tuple(self.shapes[0])
@@ -560,6 +576,7 @@ class _PackRun:
             parts=self.cfg.parts,
             source_count=len(self.listing),
             source=str(Path(self.listing.base).resolve()),
+            index=index,
         )
 
 

@@ -74,6 +74,7 @@ class Manifest:
     parts: int = 1
     source_count: int = 0
     source: str = ""  # absolute folder the records' source paths are relative to
+    index: ShardEntry | None = None  # the part's index file (labels, shapes, paths); None in older packs
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -123,6 +124,7 @@ class Manifest:
                 parts=int(d.get("parts", 1)),
                 source_count=int(d.get("source_count", 0)),
                 source=str(d.get("source", "")),
+                index=_shard_entry(d["index"], where) if d.get("index") else None,
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -131,6 +133,8 @@ class Manifest:
             raise FormatError(f"{where}: unknown backend {m.backend!r}")
         if sum(s.num_samples for s in m.shards) != m.num_samples:
             raise FormatError(f"{where}: shard sample counts do not add up to num_samples")
+        if m.index is not None and m.index.num_samples != m.num_samples:
+            raise FormatError(f"{where}: the index file lists {m.index.num_samples} records, num_samples is {m.num_samples}")
         return m
 
 

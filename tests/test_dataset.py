@@ -295,7 +295,9 @@ def _open_files_under(root: Path) -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(str(root)):
+        # the pack's index file is memory-mapped on purpose (its pages are shared by every
+        # process); shards must not be open
+        if target.startswith(str(root)) and not target.endswith(".fli"):
             out.append(target)
     return out
 

@@ -385,7 +385,7 @@ def test_resume_after_options_change_restarts(tmp_path):
     packmod._write_journal(dest / journal_name(0, 1), {"key": "other options", "shards": []})
     s = pack(src, dest, config=PackConfig(workers=1, payload="png"))
     assert s.resumed_from == 0 and open_pack(dest).payload == "png"
-    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json", "shard-00000.lmdb"]
+    assert sorted(p.name for p in dest.iterdir()) == ["index.fli", "manifest.json", "shard-00000.lmdb"]
 
 
 def test_resume_drops_a_damaged_finished_shard(tmp_path):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import pickle
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 
@@ -185,3 +187,64 @@ def test_string_table():
     assert t.blob.dtype == np.uint8 and t.offsets.dtype == np.int64
     with pytest.raises(IndexError):
         t[4]
+
+
+def test_index_file_round_trip_is_memory_mapped_and_checked(tmp_path):
+    from fastload.errors import FormatError
+    from fastload.storage import ShardIndex, StringTable
+    from fastload.storage.index_file import read_index_file, write_index_file
+
+    paths = ["a/b.jpg", "c/é.png", ""]
+    idx = ShardIndex(np.array([3, 0, 7], np.int64), np.array([[5, 6, 3], [7, 8, 3], [1, 1, 3]], np.int32),
+                     StringTable.from_strings(paths))
+    size, digest = write_index_file(tmp_path / "index.fli", idx)
+    data = (tmp_path / "index.fli").read_bytes()
+    assert size == len(data) and digest == hashlib.sha256(data).hexdigest()
+    back = read_index_file(tmp_path / "index.fli", num_samples=3)
+    assert back.labels.tolist() == [3, 0, 7] and back.shapes.tolist() == idx.shapes.tolist()
+    assert list(back.paths) == paths
+    assert isinstance(back.labels.base, np.memmap) or isinstance(back.labels, np.memmap)
+    with pytest.raises(FormatError, match="manifest says 4"):
+        read_index_file(tmp_path / "index.fli", num_samples=4)
+    (tmp_path / "bad.fli").write_bytes(b"NOTANIDX" + data[8:])
+    with pytest.raises(FormatError, match="not a fastload index"):
+        read_index_file(tmp_path / "bad.fli")
+    (tmp_path / "short.fli").write_bytes(data[:200])
+    with pytest.raises(FormatError, match="damaged index file"):
+        read_index_file(tmp_path / "short.fli")
+    empty = ShardIndex(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
+    write_index_file(tmp_path / "empty.fli", empty)
+    assert len(read_index_file(tmp_path / "empty.fli", num_samples=0)) == 0
+
+
+def test_packs_carry_an_index_file_that_readers_and_verify_use(tmp_path):
+    from fastload.commands.verify import verify_pack
+    from fastload.storage import open_pack
+    from fastload.storage.index_file import write_index_file
+
+    src = tmp_path / "src"
+    for c in ("x", "y"):
+        (src / c).mkdir(parents=True)
+        for k in range(3):
+            cv2.imwrite(str(src / c / f"{k}.png"), np.random.default_rng(k).integers(0, 256, (8 + k, 9, 3), np.uint8))
+    from fastload.config import PackConfig
+    from fastload.pack import pack
+
+    pack(src, tmp_path / "p", config=PackConfig(payload="png", backend="hdf5", workers=1, progress=False, shard_size=400))
+    r = open_pack(tmp_path / "p")
+    (entry,) = r.index_entries
+    assert entry.file == "index.fli" and entry.num_samples == len(r) == 6 and len(r.shard_entries) > 1
+    from_shards = [x for k in range(len(r.shard_entries)) for x in r.shard_reader(k).read_index().labels.tolist()]
+    assert r.index.labels.tolist() == from_shards
+    assert verify_pack(tmp_path / "p") == ([], 6)
+    # an index file that disagrees with the shards (same size and checksum recorded) is caught
+    bad = r.index
+    size, digest = write_index_file(tmp_path / "p" / "index.fli",
+                                    type(bad)(np.asarray(bad.labels)[::-1].copy(), np.asarray(bad.shapes), bad.paths))
+    import json
+
+    m = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    m["index"].update(bytes=size, sha256=digest)
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
+    problems, _ = verify_pack(tmp_path / "p")
+    assert len(problems) == 1 and "index file does not match" in problems[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+
 _MAX_LINES = 50
 
 
@@ -45,6 +47,7 @@ def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], i
             bad.add(name)
     codec = get_codec(r.payload) if decode else None
     n_classes = len(r.classes)
+    shard_indexes = []
     for k, s in enumerate(r.shard_entries):
         if s.file in bad:
             continue  # never parse a file whose bytes we know are wrong (LMDB trusts its pages)
@@ -55,6 +58,7 @@ def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], i
         except FastloadError as exc:
             problems.append(str(exc))
             continue
+        shard_indexes.append(idx)
         if len(idx) and (idx.labels.min() < 0 or idx.labels.max() >= n_classes):
             problems.append(f"{where}: labels outside 0..{n_classes - 1}")
         if len(idx) and (idx.shapes.min() < 1 or np.any(idx.shapes[:, 2] != 3)):
@@ -75,8 +79,29 @@ def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], i
                     problems.append(f"{where}: record {i} ({idx.paths[i]}): decodes to {img.shape}, index says {shape}")
         except FastloadError as exc:
             problems.append(str(exc))
+    if r.index_entries and not bad and len(shard_indexes) == len(r.shard_entries):
+        problems += _index_files_match(r, shard_indexes)
     r.close()
     return problems, len(r)
+
+
+def _index_files_match(r, shard_indexes) -> list[str]:
+    """The parts' index files hold exactly what the shards' own indexes say (compared as arrays)."""
+    from ..errors import FastloadError
+    from ..storage import ShardIndex
+
+    try:
+        files = r.index
+    except FastloadError as exc:
+        return [str(exc)]
+    shards = ShardIndex.concat(shard_indexes)
+    same = (np.array_equal(files.labels, shards.labels) and np.array_equal(files.shapes, shards.shapes)
+            and np.array_equal(files.paths.offsets, shards.paths.offsets)
+            and np.array_equal(files.paths.blob, shards.paths.blob))
+    if same:
+        return []
+    names = ", ".join(str(r.root / e.file) for e in r.index_entries)
+    return [f"{names}: index file does not match the shards' records (rebuilt or replaced?); repack"]
 
 
 def run(args) -> int:

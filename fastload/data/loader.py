@@ -153,6 +153,11 @@ class DataLoader:
     error naming it, its shard and its source file; ``"skip"`` serves a deterministic
     substitute in its place and reports it in :meth:`stats`.
 
+    ``plan``: an :class:`~fastload.data.plan.EpochPlan` to follow instead (e.g. a
+    :class:`~fastload.data.plan.BlockShufflePlan` for packs read through a shard cache); its
+    ``num_samples`` must be ``len(dataset)``, and its fields win over ``batch_size`` (which
+    may then be left out), ``seed``, ``shuffle``, ``drop_last`` and ``distributed``.
+
     ``state_dict()`` is ``{"order": ...}``: the epoch and the global position (samples all
     ranks consumed), so a job checkpointed on W ranks resumes on W' ranks; with W' = W it
     continues exactly where the interrupted run would have. Iterating again without
@@ -162,7 +167,7 @@ class DataLoader:
     def __init__(
         self,
         dataset,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -177,14 +182,22 @@ class DataLoader:
         on_error: OnRecordError | str = OnRecordError.RAISE,
         collate_fn: Callable[[list], Any] | None = None,
         multiprocessing_context: str | None = None,
+        plan: EpochPlan | None = None,
     ):
         self.dataset = dataset
         self.num_workers = usable_cpus() if num_workers is None else int(num_workers)
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.rank, self.world_size = resolve_distributed(distributed)
-        self.order = Order(EpochPlan(len(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle,
-                                     rank=self.rank, world_size=self.world_size, drop_last=drop_last))
+        if plan is None:
+            if batch_size is None:
+                raise ValueError("DataLoader needs a batch_size (or a plan=)")
+            rank, world_size = resolve_distributed(distributed)
+            plan = EpochPlan(len(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle,
+                             rank=rank, world_size=world_size, drop_last=drop_last)
+        elif plan.num_samples != len(dataset):
+            raise ValueError(f"plan has num_samples={plan.num_samples} but the dataset has {len(dataset)} samples")
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self.order = Order(plan)
         if pin_memory is None:
             pin_memory = _cuda_available()
         self.pin_memory = bool(pin_memory)

@@ -27,19 +27,39 @@ starting at that position, dealt to ``W'`` ranks; no sample of the epoch is read
 skipped (beyond padding and ``drop_last``'s tail), and ``W' = W`` reproduces the
 uninterrupted run exactly (``s + r + jW`` are the same positions).
 
-A shard-aware order (block shuffle over shards, for packs read from object storage) is a
-subclass that overrides :meth:`EpochPlan.order`; the dealing, batching and positions stay.
+A shard-aware order is a subclass that overrides :meth:`EpochPlan.order`; the dealing,
+batching and positions stay. :class:`BlockShufflePlan` is one: for packs read from object
+storage through a node-local shard cache, it mixes the samples of a few shards at a time, so
+the cache holds a few shards instead of all of them (a full shuffle touches every shard all
+the time). :meth:`EpochPlan.shards_ahead` and :meth:`EpochPlan.working_set` tell a
+download-ahead which shards come next and how many must be cached at once, for any plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-__all__ = ["EpochPlan"]
+__all__ = ["BlockShufflePlan", "EpochPlan", "shard_of"]
+
+ShardStarts = Sequence[int] | np.ndarray  # cumulative record offsets of a pack's shards
+ArrayLike = Sequence[int] | np.ndarray
+
+
+def shard_of(indices: ArrayLike, shard_starts: ShardStarts) -> np.ndarray:
+    """The shard holding each sample index (int64), where shard ``k`` holds the records
+    ``shard_starts[k] .. shard_starts[k + 1] - 1`` (cumulative offsets, first 0, last ``N``).
+    An empty shard holds nothing, so no index maps to it."""
+    starts = np.asarray(shard_starts, dtype=np.int64)
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= starts[-1]):
+        raise ValueError(f"sample indices must be in 0..{starts[-1] - 1}, got {idx.min()}..{idx.max()}")
+    return np.searchsorted(starts, idx, side="right").astype(np.int64) - 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,8 @@ class EpochPlan:
     drop_last: bool = False
 
     kind: ClassVar[str] = "full-shuffle"  # recorded in states: a resume must use the same order
+    # identity() keys that define the order: check_resume refuses a state that differs in one
+    resume_keys: ClassVar[tuple[str, ...]] = ("plan", "num_samples", "seed", "shuffle")
 
     def __post_init__(self) -> None:
         for name in ("num_samples", "batch_size", "seed", "rank", "world_size"):
@@ -151,12 +173,74 @@ class EpochPlan:
         if per_rank == 0:
             return np.zeros(0, dtype=np.int64)
         order = self.order(epoch) if order is None else order
-        pos = start + self.rank + self.world_size * np.arange(per_rank, dtype=np.int64)
-        return np.ascontiguousarray(order[pos % self.num_samples])
+        return np.ascontiguousarray(order[self._positions(start, 0, per_rank) % self.num_samples])
+
+    def _positions(self, start: int, lo: int, hi: int) -> np.ndarray:
+        """Global positions of this rank's samples ``lo .. hi - 1`` in the segment from ``start``."""
+        return start + self.rank + self.world_size * np.arange(lo, hi, dtype=np.int64)
 
     def batch(self, indices: np.ndarray, b: int) -> np.ndarray:
         """Batch ``b`` of a rank's :meth:`indices`."""
         return indices[b * self.batch_size : (b + 1) * self.batch_size]
+
+    # -- shards (for a download-ahead over a shard cache) --------------------------------------
+
+    def _shard_starts(self, shard_starts: ShardStarts | None) -> np.ndarray:
+        """The pack's shard layout: given by the caller (this plan's order knows no shards)."""
+        if shard_starts is None:
+            raise ValueError(f"{type(self).__name__} knows no shard layout: pass shard_starts=")
+        starts = np.asarray(shard_starts, dtype=np.int64)
+        if starts.ndim != 1 or not len(starts) or starts[-1] != self.num_samples:
+            raise ValueError(f"shard_starts must be 1-D offsets ending at num_samples={self.num_samples}")
+        return starts
+
+    def shards_ahead(self, epoch: int, *, first_batch: int = 0, batches: int = 1, start: int = 0,
+                     shard_starts: ShardStarts | None = None, order: np.ndarray | None = None) -> list[int]:
+        """The shards this rank's ``batches`` batches from batch ``first_batch`` of the segment
+        from ``start`` read, in first-use order, each once: what a download-ahead fetches
+        next. ``shard_starts``: the pack's cumulative record offsets (a
+        :class:`BlockShufflePlan` knows its own); ``order``: :meth:`order`, when cached."""
+        starts = self._shard_starts(shard_starts)
+        first_batch, batches = int(first_batch), int(batches)
+        if first_batch < 0 or batches < 0:
+            raise ValueError(f"first_batch and batches must be >= 0, got {first_batch}, {batches}")
+        per_rank = self.samples_per_rank(start)
+        lo = min(first_batch * self.batch_size, per_rank)
+        hi = min((first_batch + batches) * self.batch_size, per_rank)
+        if hi <= lo:
+            return []
+        order = self.order(epoch) if order is None else order
+        shards = shard_of(order[self._positions(start, lo, hi) % self.num_samples], starts)
+        unique, first = np.unique(shards, return_index=True)
+        return unique[np.argsort(first)].tolist()
+
+    def working_set(self, epoch: int, *, ahead: int = 0, start: int = 0,
+                    shard_starts: ShardStarts | None = None, order: np.ndarray | None = None) -> int:
+        """The most shards this rank holds at once over the segment from ``start`` if it keeps
+        each shard from ``ahead`` batches before the batch that first reads it until the batch
+        that last reads it: the shard cache this rank needs. Ranks move in lock-step, so for
+        all ranks together (a node's cache, up to padding) ask
+        ``plan.replace(rank=0, world_size=1, batch_size=plan.batch_size * plan.world_size)``.
+        A full shuffle holds nearly every shard; see :class:`BlockShufflePlan`."""
+        starts = self._shard_starts(shard_starts)
+        ahead = int(ahead)
+        if ahead < 0:
+            raise ValueError(f"ahead must be >= 0, got {ahead}")
+        idx = self.indices(epoch, start, order)
+        if not len(idx):
+            return 0
+        shards = shard_of(idx, starts)
+        batch = np.arange(len(idx), dtype=np.int64) // self.batch_size
+        k = len(starts) - 1
+        first = np.full(k, len(idx), dtype=np.int64)
+        np.minimum.at(first, shards, batch)
+        last = np.full(k, -1, dtype=np.int64)
+        np.maximum.at(last, shards, batch)
+        used = last >= 0
+        live = np.zeros(batch[-1] + 2, dtype=np.int64)  # +1 from (first - ahead), -1 after last
+        np.add.at(live, np.maximum(first[used] - ahead, 0), 1)
+        np.add.at(live, last[used] + 1, -1)
+        return int(np.cumsum(live).max())
 
     # -- states --------------------------------------------------------------------------------
 
@@ -172,12 +256,105 @@ class EpochPlan:
         """ValueError if ``state`` was saved under a plan with another order (resuming would
         neither reproduce the run nor cover the rest of its epoch)."""
         mine = self.identity()
-        for key in ("plan", "num_samples", "seed", "shuffle"):
-            if key in state and state[key] != mine[key]:
+        for key in self.resume_keys:
+            theirs = state.get(key, "full-shuffle" if key == "plan" else mine[key])  # no "plan": fastload <= 0.1
+            if theirs != mine[key]:
                 raise ValueError(
-                    f"{what} state has {key}={state[key]!r} but this {what} has {mine[key]!r}; "
+                    f"{what} state has {key}={theirs!r} but this {what} has {mine[key]!r}; "
                     "resuming would not continue the interrupted epoch"
                 )
+
+
+_BLOCK_STREAM = 0x626C6F63  # "bloc": a spawn key, so a block order never draws EpochPlan's numbers
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockShufflePlan(EpochPlan):
+    """An :class:`EpochPlan` whose order shuffles shards in blocks, for packs read through a
+    shard cache: only a few shards are read at any moment.
+
+    The order of epoch ``e`` (seeded by ``(seed, e)`` only, so every rank, world size and
+    batch size agree): permute the shards (:meth:`shard_order`), cut that list into
+    consecutive windows of ``window`` shards, permute all the samples of each window, and
+    concatenate the windows. The first ``k`` windows of the order hold exactly the samples of
+    the first ``k * window`` shards of the shard order. ``shuffle=False`` gives ``0..N-1``.
+
+    Dealing, batching, positions and elastic resume are :class:`EpochPlan`'s. Every rank
+    reads the current window (ranks move in lock-step through one global order), so a node
+    caches about ``window`` shards, plus the next window's while crossing a boundary:
+    :meth:`working_set` measures it. A larger window mixes more; a sample's neighbours in a
+    batch come from at most ``window`` shards (two windows at a boundary).
+
+    ``shard_starts``: cumulative record offsets; shard ``k`` holds records
+    ``shard_starts[k] .. shard_starts[k + 1] - 1`` (first 0, last ``num_samples``;
+    non-decreasing, so empty shards are allowed). A resume checks ``window`` and a hash of
+    ``shard_starts`` as well as the :class:`EpochPlan` fields.
+    """
+
+    shard_starts: tuple[int, ...] = field(default=(), repr=False)
+    window: int = 4
+
+    kind: ClassVar[str] = "block-shuffle"
+    resume_keys: ClassVar[tuple[str, ...]] = (*EpochPlan.resume_keys, "window", "shard_layout")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        object.__setattr__(self, "window", int(self.window))
+        starts = np.asarray(self.shard_starts)
+        if starts.ndim != 1 or not len(starts) or not np.issubdtype(starts.dtype, np.integer):
+            raise ValueError("shard_starts must be a non-empty sequence of ints (cumulative record offsets), "
+                             f"got {self.shard_starts!r:.80}")
+        if starts[0] != 0 or starts[-1] != self.num_samples or (np.diff(starts) < 0).any():
+            raise ValueError(f"shard_starts must rise (non-decreasing) from 0 to num_samples={self.num_samples}, "
+                             f"got {self.shard_starts!r:.80}")
+        object.__setattr__(self, "shard_starts", tuple(int(x) for x in starts))
+
+    @functools.cached_property
+    def _starts(self) -> np.ndarray:
+        return np.asarray(self.shard_starts, dtype=np.int64)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_starts) - 1
+
+    def _rng(self, epoch: int) -> np.random.Generator:
+        _check_epoch(epoch)
+        return np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch)], spawn_key=(_BLOCK_STREAM,)))
+
+    def shard_order(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s order of the shards (int64); window ``w`` is its entries
+        ``w * window .. (w + 1) * window - 1``."""
+        if not self.shuffle:
+            _check_epoch(epoch)
+            return np.arange(self.num_shards, dtype=np.int64)
+        return self._rng(epoch).permutation(self.num_shards).astype(np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s global order: windows of shuffled shards, each window's samples
+        shuffled together (see the class docstring)."""
+        if not self.shuffle:
+            _check_epoch(epoch)
+            return np.arange(self.num_samples, dtype=np.int64)
+        rng = self._rng(epoch)
+        perm = rng.permutation(self.num_shards)  # the same draw as shard_order
+        sizes = np.diff(self._starts)[perm]
+        ends = np.cumsum(sizes)
+        # the shards' records laid out in shard order: position p of shard j is start_j + (p - offset_j)
+        out = np.arange(self.num_samples, dtype=np.int64) + np.repeat(self._starts[perm] - (ends - sizes), sizes)
+        bounds = np.concatenate([[0], ends[self.window - 1 :: self.window], [self.num_samples]])
+        for a, b in zip(bounds[:-1], bounds[1:]):  # one call per window, none per sample
+            rng.shuffle(out[a:b])
+        return out
+
+    def _shard_starts(self, shard_starts: ShardStarts | None) -> np.ndarray:
+        return self._starts if shard_starts is None else super()._shard_starts(shard_starts)
+
+    def identity(self) -> dict[str, Any]:
+        """:meth:`EpochPlan.identity` plus the window and a hash of the shard layout."""
+        layout = hashlib.sha1(self._starts.astype("<i8").tobytes()).hexdigest()[:16]
+        return {**super().identity(), "window": self.window, "num_shards": self.num_shards, "shard_layout": layout}
 
 
 def _check_epoch(epoch: int) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError
-from ..schema import BACKENDS, Manifest, find_manifests
+from ..schema import BACKENDS, Manifest, ShardEntry, find_manifests
 from .base import ShardIndex, ShardReader, ShardWriter, StringTable, file_sha256
+from .index_file import read_index_file
 
 __all__ = [
     "PackReader",
@@ -109,10 +110,20 @@ class PackReader:
 
     @cached_property
     def index(self) -> ShardIndex:
-        """Labels, shapes and paths of every record (read once, with short-lived handles)."""
+        """Labels, shapes and paths of every record: memory-mapped from the parts' index files
+        (one part: no copy at all), or, for packs made before index files, read from every
+        shard with short-lived handles."""
         if not self._readers:
             return ShardIndex(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
+        if all(m.index is not None for m in self.manifests):
+            parts = [read_index_file(self.root / m.index.file, num_samples=m.num_samples) for m in self.manifests]
+            return parts[0] if len(parts) == 1 else ShardIndex.concat(parts)
         return ShardIndex.concat(r.read_index() for r in self._readers)
+
+    @property
+    def index_entries(self) -> tuple[ShardEntry, ...]:
+        """The manifests' index-file entries (none for packs made before index files)."""
+        return tuple(m.index for m in self.manifests if m.index is not None)
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, record number inside it) of global record ``i``."""
@@ -137,7 +148,7 @@ class PackReader:
     def verify_checksums(self, progress=None) -> list[str]:
         """Recompute every shard's SHA-256; returns one message per mismatch."""
         problems = []
-        for s in self.shard_entries:
+        for s in (*self.shard_entries, *self.index_entries):
             p = self.root / s.file
             if not p.exists():
                 problems.append(f"{p}: missing")

@@ -80,6 +80,8 @@ class ShardIndex:
     @classmethod
     def concat(cls, parts) -> ShardIndex:
         parts = list(parts)
+        if not parts:
+            return cls(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
         return cls(
             labels=np.concatenate([p.labels for p in parts]).astype(np.int64, copy=False),
             shapes=np.concatenate([p.shapes for p in parts]).astype(np.int32, copy=False).reshape(-1, 3),

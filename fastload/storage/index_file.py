@@ -1,0 +1,127 @@
+"""The pack index file: every record's label, stored shape and source path in one file.
+
+Written by the packer next to the shards (one per ``--part``) and listed in the manifest with
+its size and SHA-256, so a reader gets a pack's whole index from one small file instead of
+opening every shard: that is what lets a pack in object storage be opened without downloading
+its shards, and the file is memory-mapped, so every process on a node shares one copy.
+
+Layout (little-endian; every section starts at a multiple of 64 bytes)::
+
+    b"FLINDEX1"  u64 header length  JSON header {"num_samples", "sections": {name: [offset, bytes]}}
+    labels       int64[n]
+    shapes       int32[n, 3]        decoded (H, W, C)
+    path_offsets int64[n + 1]       into path_blob
+    path_blob    uint8[...]         UTF-8 source paths, relative to the pack's source folder
+
+Packs made before this file existed have none; readers then build the index from the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FormatError
+from .base import ShardIndex, StringTable
+
+__all__ = ["INDEX_SUFFIX", "index_name", "read_index_file", "write_index_file"]
+
+MAGIC = b"FLINDEX1"
+INDEX_SUFFIX = ".fli"
+_ALIGN = 64
+_SECTIONS = (("labels", np.int64, 1), ("shapes", np.int32, 3), ("path_offsets", np.int64, 1), ("path_blob", np.uint8, 1))
+
+
+def index_name(prefix: str) -> str:
+    """File name of a part's index (``prefix`` is the part's file-name prefix, '' for one part)."""
+    return f"{prefix}index{INDEX_SUFFIX}"
+
+
+def _pad(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def write_index_file(path: Path, index: ShardIndex) -> tuple[int, str]:
+    """Write ``index`` to ``path`` atomically (temp name, fsync, rename); returns (bytes, SHA-256)."""
+    arrays = {
+        "labels": np.ascontiguousarray(index.labels, dtype="<i8"),
+        "shapes": np.ascontiguousarray(index.shapes, dtype="<i4").reshape(-1, 3),
+        "path_offsets": np.ascontiguousarray(index.paths.offsets, dtype="<i8"),
+        "path_blob": np.ascontiguousarray(index.paths.blob, dtype=np.uint8),
+    }
+    n = len(arrays["labels"])
+    if len(arrays["shapes"]) != n or len(arrays["path_offsets"]) != n + 1:
+        raise ValueError("index arrays disagree on the number of records")
+    sections, offset = {}, 0
+    # The header's length depends on the offsets, which depend on the header's length: reserve
+    # a generous fixed-size header block instead.
+    header_block = _pad(512 + 32 * len(arrays))
+    offset = header_block
+    for name, a in arrays.items():
+        sections[name] = [offset, int(a.nbytes)]
+        offset = _pad(offset + a.nbytes)
+    header = json.dumps({"num_samples": n, "sections": sections}).encode()
+    if 16 + len(header) > header_block:  # pragma: no cover - the header is ~200 bytes
+        raise ValueError("index header too large")
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        def put(b: bytes) -> None:
+            f.write(b)
+            digest.update(b)
+
+        head = MAGIC + struct.pack("<Q", len(header)) + header
+        put(head + bytes(header_block - len(head)))
+        pos = header_block
+        for name, a in arrays.items():
+            start, size = sections[name]
+            put(bytes(start - pos))
+            put(a.tobytes())
+            pos = start + size
+        put(bytes(_pad(pos) - pos))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return _pad(pos), digest.hexdigest()
+
+
+def read_index_file(path: Path, *, num_samples: int | None = None) -> ShardIndex:
+    """The index in ``path``, memory-mapped read-only (nothing is copied; pages are shared by
+    every process that maps the file). ``num_samples``: what the manifest says, checked."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != MAGIC:
+                raise FormatError(f"{path}: not a fastload index file (run `fastload verify` on the pack)")
+            (hlen,) = struct.unpack("<Q", head[8:])
+            header = json.loads(f.read(hlen))
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise FormatError(f"{path}: index file listed in the manifest is missing") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: unreadable index file ({exc})") from None
+    try:
+        n = int(header["num_samples"])
+        sections = {k: (int(v[0]), int(v[1])) for k, v in header["sections"].items()}
+        views = {}
+        mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        for name, dtype, width in _SECTIONS:
+            start, nbytes = sections[name]
+            if start < 0 or nbytes < 0 or start + nbytes > size:
+                raise ValueError(f"section {name} lies outside the file")
+            views[name] = mm[start : start + nbytes].view(np.dtype(dtype).newbyteorder("<"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{path}: damaged index file ({exc}); run `fastload verify` on the pack") from None
+    labels, shapes = views["labels"], views["shapes"].reshape(-1, 3)
+    offsets, blob = views["path_offsets"], views["path_blob"]
+    if len(labels) != n or len(shapes) != n or len(offsets) != n + 1 or (n and int(offsets[-1]) != len(blob)):
+        raise FormatError(f"{path}: damaged index file (section sizes disagree); run `fastload verify` on the pack")
+    if num_samples is not None and n != num_samples:
+        raise FormatError(f"{path}: index holds {n} records, the manifest says {num_samples}")
+    return ShardIndex(labels, shapes, StringTable(blob, offsets))
