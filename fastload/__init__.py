@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (relative to this package)
 _LAZY = {
+    "BlockShufflePlan": ".data.plan",
     "CUDAPrefetcher": ".gpu.prefetcher",
     "DataLoader": ".data.loader",
     "DecodeError": ".errors",
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .data.dataset import ImageFolder
     from .data.collate import collate_uint8
     from .data.loader import DataLoader, PerformanceWarning, WorkerError
-    from .data.plan import EpochPlan
+    from .data.plan import BlockShufflePlan, EpochPlan
     from .data.protocols import OnRecordError
     from .data.sampler import DistributedEpochSampler, epoch_indices
     from .gpu.prefetcher import CUDAPrefetcher
