@@ -37,6 +37,7 @@ from .schema import (
     SkippedInput,
     manifest_name,
     part_prefix,
+    read_manifest,
     shard_name,
     write_manifest,
 )
@@ -363,13 +364,25 @@ def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
 # ---------------------------------------------------------------------------- the pack run
 
 
-def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = None) -> PackSummary:
+def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = None,
+         storage_options: dict | None = None, endpoint_url: str | None = None,
+         staging: str | Path | None = None) -> PackSummary:
     """Pack ``source`` (ImageFolder dir or CSV/TSV of path,label) into shards under ``dest``.
 
     Rerunning the same call after an interruption resumes from the last finished shard; the
     result is byte-identical to an uninterrupted run, for any ``config.workers``.
+
+    ``dest`` may be a URL (``s3://bucket/prefix``): the part is packed into a local staging
+    folder (``staging``, default under the fastload cache dir, stable per URL and part), then
+    uploaded shard by shard, the manifest last (see :mod:`fastload.storage.remote_pack`).
+    ``storage_options``/``endpoint_url`` configure the store.
     """
     cfg = config or PackConfig()
+    from .storage.remote import is_url
+
+    if is_url(dest):
+        return _pack_to_url(source, str(dest), cfg, storage_options=storage_options, endpoint_url=endpoint_url,
+                            staging=staging)
     t0 = time.perf_counter()
     dest = Path(dest)
     listing = list_source(source)
@@ -578,6 +591,60 @@ class _PackRun:
             source=str(Path(self.listing.base).resolve()),
             index=index,
         )
+
+
+def _pack_to_url(source, url: str, cfg: PackConfig, *, storage_options, endpoint_url, staging) -> PackSummary:
+    """Pack one part locally, upload it, remove the staging copy (see :func:`pack`)."""
+    from .storage.remote import RemoteStore
+    from .storage.remote_pack import remove_staging, staging_dir, upload_pack
+
+    t0 = time.perf_counter()
+    url = url.rstrip("/")
+    store = RemoteStore(url, storage_options=storage_options, endpoint_url=endpoint_url)
+    mname = manifest_name(cfg.part, cfg.parts)
+    if store.head(mname) is not None:
+        if not cfg.overwrite:
+            raise PackError(f"{url}: already holds a finished pack ({mname}); use --overwrite to replace it")
+        store.delete(mname)  # from here on the remote pack no longer looks complete
+    local = Path(staging) if staging is not None else staging_dir(url, cfg.part, cfg.parts)
+    if (local / mname).exists() and not _staged_for(local / mname, source, cfg):
+        remove_staging(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if (local / mname).exists():  # packed by an earlier run whose upload was interrupted
+        summary = None
+    else:
+        summary = pack(source, local, config=cfg)
+    manifest = read_manifest(local / mname)
+    if cfg.overwrite:  # objects of an earlier pack of this part that the new one does not have
+        own = _own_patterns(cfg.part, cfg.parts)
+        keep = {e.file for e in manifest.shards} | ({manifest.index.file} if manifest.index else set())
+        for key, _ in store.list():
+            if "/" not in key and _matches(key, own) and key not in keep and key != mname:
+                store.delete(key)
+    upload_pack(local, store, part=cfg.part, parts=cfg.parts)
+    remove_staging(local)
+    return PackSummary(
+        packed=manifest.num_samples,
+        skipped=len(manifest.skipped),
+        bytes=manifest.total_bytes,
+        seconds=time.perf_counter() - t0,
+        dest=url,  # type: ignore[arg-type]
+        manifest=f"{url}/{mname}",  # type: ignore[arg-type]
+        shards=len(manifest.shards),
+        resumed_from=summary.resumed_from if summary is not None else manifest.source_count,
+    )
+
+
+def _staged_for(mpath: Path, source, cfg: PackConfig) -> bool:
+    """Whether the finished staging pack at ``mpath`` was made from ``source`` with ``cfg``."""
+    try:
+        m = read_manifest(mpath)
+    except FastloadError:
+        return False
+    src = Path(source)
+    base = src.parent if src.is_file() else src
+    return (m.options == cfg.output_options() and m.source == str(base.resolve())
+            and (m.backend, m.payload, m.part, m.parts) == (cfg.backend, cfg.payload, cfg.part, cfg.parts))
 
 
 def _progress(cfg: PackConfig, *, total: int, initial: int):

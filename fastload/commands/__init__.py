@@ -17,3 +17,29 @@ def register_all(subparsers: argparse._SubParsersAction) -> None:
     """Add every sub-command's parser to ``subparsers``, in :data:`COMMANDS` order."""
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).register(subparsers)
+
+
+def add_remote_args(p: argparse.ArgumentParser, *, cache: bool = True) -> None:
+    """Options for a DEST that is a URL (s3://, gs://, az://): the store and the shard cache."""
+    g = p.add_argument_group("object storage (DEST is a URL)")
+    g.add_argument("--endpoint-url", default=None, metavar="URL",
+                   help="S3-compatible endpoint (MinIO, SeaweedFS, R2...); credentials come from the environment")
+    g.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an obstore option (region, access_key_id, skip_signature...); repeatable")
+    if cache:
+        g.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="node-local shard cache (default $FASTLOAD_CACHE_DIR or ~/.cache/fastload)")
+
+
+def remote_kwargs(args: argparse.Namespace) -> dict:
+    """``storage_options``/``endpoint_url`` (and ``cache_dir``) from :func:`add_remote_args` options."""
+    options = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option wants KEY=VALUE, got {item!r}")
+        options[key.strip()] = value
+    out = {"storage_options": options or None, "endpoint_url": args.endpoint_url}
+    if hasattr(args, "cache_dir"):
+        out["cache_dir"] = args.cache_dir
+    return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import add_remote_args, remote_kwargs
+
 _SHOW = 5
 
 
@@ -13,18 +15,20 @@ def register(subparsers) -> None:
                               description="Print a packed dataset's format, samples, classes, shards and skipped inputs.")
     p.add_argument("dest", metavar="DEST", help="packed dataset directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_remote_args(p)
     p.set_defaults(run=run)
 
 
-def describe(dest: str | Path) -> dict:
-    """A JSON-able summary of a pack (every part together)."""
+def describe(dest: str | Path, **remote) -> dict:
+    """A JSON-able summary of a pack (every part together); ``remote``: options for a URL."""
     from ..errors import FormatError
     from ..storage import open_pack
+    from ..storage.remote import is_url
 
     try:
-        r = open_pack(dest, check_files=False)
+        r = open_pack(dest, check_files=False, **remote)
     except FormatError as exc:
-        hint = _unfinished_hint(Path(dest))
+        hint = "" if is_url(dest) else _unfinished_hint(Path(dest))
         raise FormatError(f"{exc}{hint}") from None
     sizes = [s.bytes for s in r.shard_entries]
     shape = r.image_shape
@@ -68,7 +72,7 @@ def _unfinished_hint(dest: Path) -> str:
 def run(args) -> int:
     from ..pack import human_bytes
 
-    d = describe(args.dest)
+    d = describe(args.dest, **remote_kwargs(args))
     if args.json:
         print(json.dumps(d, indent=1))
         return 0

@@ -67,6 +67,8 @@ def _quality(text: str) -> int:
 
 
 def register(subparsers) -> None:
+    from . import add_remote_args
+
     p = subparsers.add_parser(
         "pack",
         help="pack an image folder or CSV into LMDB/HDF5 shards",
@@ -95,12 +97,16 @@ def register(subparsers) -> None:
                    help="skip unreadable images (listed in the manifest) or stop at the first one")
     p.add_argument("--overwrite", action="store_true", help="replace an existing pack in DEST")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no warnings")
+    p.add_argument("--staging", default=None, metavar="DIR",
+                   help="with a URL DEST: where to pack before uploading (default: under the fastload cache dir)")
+    add_remote_args(p, cache=False)
     p.set_defaults(run=run, _parser=p)
 
 
 def run(args) -> int:
     from ..config import OnError, PackConfig
     from ..pack import pack
+    from . import remote_kwargs
 
     try:
         cfg = PackConfig(
@@ -110,10 +116,11 @@ def run(args) -> int:
             part=args.part[0], parts=args.part[1], on_error=OnError(args.on_error),
             overwrite=args.overwrite, progress=not args.quiet,
         )
+        remote = remote_kwargs(args)
     except ValueError as exc:
         args._parser.error(str(exc))  # exits 2 with the usage line, like any bad option
     _log_to_stderr(quiet=args.quiet)
-    summary = pack(args.src, args.dest, config=cfg)
+    summary = pack(args.src, args.dest, config=cfg, staging=args.staging, **remote)
     print(summary.line())
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import add_remote_args, remote_kwargs
+
 import numpy as np
 
 _MAX_LINES = 50
@@ -18,16 +20,20 @@ def register(subparsers) -> None:
     )
     p.add_argument("dest", metavar="DEST", help="packed dataset directory")
     p.add_argument("--decode", action="store_true", help="decode every record with the pack's codec")
+    add_remote_args(p)
     p.set_defaults(run=run)
 
 
-def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], int]:
-    """Problems found in the pack at ``dest`` (empty = healthy) and the number of records."""
-    import numpy as np
-
+def verify_pack(dest: str | Path, *, decode: bool = False, **remote) -> tuple[list[str], int]:
+    """Problems found in the pack at ``dest`` (empty = healthy) and the number of records.
+    A URL ``dest`` (``remote``: its store options) streams every shard and checks its SHA-256."""
     from ..codecs import get_codec
     from ..errors import FastloadError
     from ..storage import open_pack
+    from ..storage.remote import is_url
+
+    if is_url(dest):
+        return _verify_remote(str(dest), decode=decode, **remote)
 
     r = open_pack(dest, check_files=False)
     problems: list[str] = []
@@ -85,6 +91,30 @@ def verify_pack(dest: str | Path, *, decode: bool = False) -> tuple[list[str], i
     return problems, len(r)
 
 
+def _verify_remote(url: str, *, decode: bool, **remote) -> tuple[list[str], int]:
+    """Stream every shard of the pack at ``url`` through SHA-256 (into a temporary file that is
+    removed at once; the index files were checked when the pack was opened)."""
+    import tempfile
+
+    from ..errors import FastloadError
+    from ..storage import open_pack
+
+    if decode:
+        raise ValueError(f"{url}: --decode is for local packs; verify the checksums here, or decode a local copy")
+    r = open_pack(url, **remote)
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="fastload-verify-", dir=r.remote.cache.directory) as tmp:
+        for e in r.shard_entries:
+            dest = Path(tmp) / "shard"
+            try:
+                r.remote.store.download(e.file, dest, size=e.bytes, sha256=e.sha256)
+            except FastloadError as exc:
+                problems.append(str(exc))
+            finally:
+                dest.unlink(missing_ok=True)
+    return problems, len(r)
+
+
 def _index_files_match(r, shard_indexes) -> list[str]:
     """The parts' index files hold exactly what the shards' own indexes say (compared as arrays)."""
     from ..errors import FastloadError
@@ -105,7 +135,7 @@ def _index_files_match(r, shard_indexes) -> list[str]:
 
 
 def run(args) -> int:
-    problems, n = verify_pack(args.dest, decode=args.decode)
+    problems, n = verify_pack(args.dest, decode=args.decode, **remote_kwargs(args))
     if problems:
         for msg in problems[:_MAX_LINES]:
             print(f"fastload verify: {msg}", file=sys.stderr)

@@ -29,6 +29,7 @@ from ..codecs import jpeg as _jpeg
 from ..codecs import jpegcrop as _jpegcrop
 from ..errors import DecodeError, FastloadError, FormatError
 from ..storage import PackReader, open_pack
+from ..storage.remote import is_url
 from .draws import SUBSTITUTE_CANDIDATES, BatchDraws, SampleDraws, substitute_index
 from .protocols import Replacement, on_error_skips
 from .transforms import Compose, Normalize, Plan, ToTensor, Transform, as_compose, fixed_output_hw
@@ -104,15 +105,26 @@ class ImageFolder:
         fast_decode: bool = False,
         source_root: str | Path | None = None,
         check_files: bool = True,
+        cache_dir: str | Path | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict | None = None,
+        endpoint_url: str | None = None,
     ):
         if image_type not in IMAGE_TYPES:
             raise ValueError(f"image_type must be one of {', '.join(IMAGE_TYPES)}, got {image_type!r}")
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
-        self.root = Path(root)
+        remote = is_url(root)
+        if remote and in_memory:
+            raise ValueError(f"{root}: in_memory=True copies a local pack; a remote pack is cached on local disk "
+                             "(cache_dir=, cache_limit=)")
+        self.root: Path | str = str(root).rstrip("/") if remote else Path(root)
         self.in_memory = bool(in_memory)
         pack_dir = _copy_to_shm(self.root) if in_memory else self.root
-        self.reader: PackReader = open_pack(pack_dir, check_files=check_files)
+        self.reader: PackReader = open_pack(pack_dir, check_files=check_files, cache_dir=cache_dir,
+                                            cache_limit=cache_limit, storage_options=storage_options,
+                                            endpoint_url=endpoint_url)
+        self._prefetched: dict[int, None] = {}  # remote shards whose download was started, recent last
         index = self.reader.index
         self._labels = np.ascontiguousarray(index.labels, dtype=np.int64)
         self._shapes = np.ascontiguousarray(index.shapes, dtype=np.int32)
@@ -153,6 +165,33 @@ class ImageFolder:
             self.reader.__dict__.pop("index", None)
         rel = self._paths[i]
         return os.path.join(self.source_root, rel) if self.source_root else rel
+
+    # -- packs in object storage ---------------------------------------------------------
+
+    @property
+    def worker_start_method(self) -> str | None:
+        """How worker processes must start: "spawn" for a remote pack (the object-store
+        client's I/O runtime does not survive fork once it has run), else no preference."""
+        return "spawn" if self.reader.remote is not None else None
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Start downloading the shards that samples ``indices`` are in, if the pack is remote
+        and they are not already on their way (a no-op for a local pack). The loader calls it
+        for the batches a few steps ahead, so a warm loader never waits on the network."""
+        reader = self.reader
+        if reader.remote is None or not len(indices):
+            return
+        shards = np.unique(np.searchsorted(reader.shard_starts, np.asarray(indices), side="right") - 1)
+        new = [int(k) for k in shards if int(k) not in self._prefetched]
+        if not new:
+            return
+        entries = [reader.shard_entries[k] for k in new]
+        reader.remote.prefetch(entries)
+        for k in new:
+            self._prefetched[k] = None
+        while len(self._prefetched) > 4 * reader.max_open:  # bounded: forget the oldest
+            del self._prefetched[next(iter(self._prefetched))]
+        reader.remote.set_needed(reader.shard_entries[k] for k in self._prefetched)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch that seeds augmentation (fastload's DataLoader passes it per batch)."""
@@ -428,6 +467,7 @@ class ImageFolder:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_paths"] = None  # reread from the pack on demand: keeps pickles ~20 bytes/sample
+        state["_prefetched"] = {}  # each process starts its own downloads
         return state
 
     def __setstate__(self, state) -> None:
@@ -450,7 +490,7 @@ def describe_record(reader: PackReader, i: int, *, source: str | None = None) ->
         rel = reader.index.paths[i]
         root = reader.manifests[0].source
         source = os.path.join(root, rel) if root else rel
-    return f"{reader.shard_path(k)}: record {j} (dataset index {i}, source {source!r})"
+    return f"{reader.shard_name(k)}: record {j} (dataset index {i}, source {source!r})"
 
 
 def read_error(reader: PackReader, i: int, exc: Exception | str, *, source: str | None = None) -> FormatError:

@@ -57,7 +57,7 @@ from ..config import usable_cpus
 from .collate import collate_uint8
 from .order import Order
 from .plan import EpochPlan
-from .protocols import BatchFiller, EpochDataset, OnRecordError, Replacement, on_error_skips
+from .protocols import BatchFiller, EpochDataset, OnRecordError, Prefetching, Replacement, on_error_skips
 from .ring import Ring
 from .workers import WorkerError, Workers, raise_worker_error
 
@@ -212,7 +212,9 @@ class DataLoader:
         on_error_skips(on_error)  # the one check of the policy's value
         self.on_error = OnRecordError(on_error).value
         self.collate_fn = collate_fn
-        self.multiprocessing_context = multiprocessing_context
+        # a remote pack's workers must not be forked from a process that has used the store
+        self.multiprocessing_context = multiprocessing_context or getattr(dataset, "worker_start_method", None)
+        self._hint = dataset.prefetch if isinstance(dataset, Prefetching) else None
         self.mode, self._image_shape = self._choose_path(dataset, collate_fn)
         self._generation = 0
         self._outstanding = 0  # tasks sent to workers whose results have not come back (any generation)
@@ -347,13 +349,28 @@ class DataLoader:
             out = torch.from_numpy(ring.lease(slot, n))
         return out.permute(0, 3, 1, 2), targets
 
+    @property
+    def _ahead(self) -> int:
+        """How many batches ahead a remote dataset hears about (download-ahead)."""
+        return 2 * self.prefetch
+
+    def _announce(self, idx: np.ndarray, first: int, last: int) -> None:
+        """Tell a Prefetching dataset which samples batches ``first .. last - 1`` will read."""
+        if self._hint is not None and first < last:
+            bs = self.batch_size
+            self._hint(idx[first * bs : last * bs])
+
     def _iter_ring(self):
         order = self.order
         epoch, start, idx = order.begin()
         nb = order.batches_left() + start
         ring = self._ring()
+        ahead = self._ahead
+        self._announce(idx, start, min(nb, start + ahead))
         if self.num_workers == 0:
             for b in range(start, nb):
+                if b + ahead < nb:
+                    self._announce(idx, b + ahead, b + ahead + 1)
                 bidx = order.batch(idx, b)
                 slot = ring.acquire()
                 try:
@@ -385,6 +402,8 @@ class DataLoader:
                                        order.batch(idx, send)))
                     in_flight.add(send)
                     self._outstanding += 1
+                    if send + ahead < nb:
+                        self._announce(idx, send + ahead, send + ahead + 1)
                     send += 1
                 if want in ready:
                     slot = ready.pop(want)
@@ -455,7 +474,11 @@ class DataLoader:
         if keeps_replacements:
             batches = [[(epoch, i) for i in b] for b in batches]
         loader.batch_sampler.batches = batches
+        ahead = self._ahead
+        self._announce(idx, start, min(nb, start + ahead))
         for b, batch in enumerate(loader, start):
+            if b + ahead < nb:
+                self._announce(idx, b + ahead, b + ahead + 1)
             if keeps_replacements:
                 batch, reps = batch
                 self._note_replaced(reps)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BatchFiller", "EpochDataset", "OnRecordError", "Replacement", "on_error_skips"]
+__all__ = ["BatchFiller", "EpochDataset", "OnRecordError", "Prefetching", "Replacement", "on_error_skips"]
 
 
 class OnRecordError(str, enum.Enum):
@@ -76,3 +76,13 @@ class EpochDataset(Protocol):
 
     def get(self, i: int, *, epoch: int, seed: int, on_error: str = "raise") -> tuple[Any, Any, Replacement | None]:
         """``(image, target, replacement or None)`` of sample ``i`` in ``epoch``."""
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A dataset whose records may be far away (a pack in object storage): the loader tells it
+    which samples come a few batches ahead, so it can start fetching them. Such a dataset may
+    also name the start method its worker processes need (``worker_start_method``)."""
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Samples ``indices`` will be read soon (a hint: it must return at once)."""

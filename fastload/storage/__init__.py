@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,10 +55,20 @@ def make_shard_reader(backend: str, path: Path, num_samples: int) -> ShardReader
 
 
 class PackReader:
-    """All shards of a packed directory (every ``--part`` of it) as one record sequence."""
+    """All shards of a packed directory (every ``--part`` of it) as one record sequence.
 
-    def __init__(self, root: str | Path, *, check_files: bool = True):
-        self.root = Path(root)
+    ``remote``: a pack at a URL (:class:`~fastload.storage.remote_pack.RemotePack`): its
+    manifests and index come from a local copy, and each shard is taken from the node's shard
+    cache when first read, held against eviction while this process has it open (at most
+    ``max_open`` remote shards at once; the oldest is closed and released first).
+    """
+
+    def __init__(self, root: str | Path, *, check_files: bool = True, remote: Any = None, max_open: int = 32):
+        self.remote = remote
+        self.url = remote.url if remote is not None else None
+        self.root = Path(remote.fetch_meta()) if remote is not None else Path(root)
+        self.max_open = int(max_open)
+        self._held: dict[int, None] = {}  # remote shards this process holds, oldest first
         self.manifests: tuple[Manifest, ...] = tuple(find_manifests(self.root))
         first = self.manifests[0]
         self.backend = first.backend
@@ -70,10 +81,10 @@ class PackReader:
         np.cumsum(counts, out=self.shard_starts[1:])
         shapes = {m.image_shape for m in self.manifests}
         self.image_shape = shapes.pop() if len(shapes) == 1 else None
-        if check_files:
+        if check_files and remote is None:
             self._check_files()
         self._readers: list[ShardReader] = [
-            make_shard_reader(self.backend, self.root / s.file, s.num_samples) for s in entries
+            make_shard_reader(self.backend, self.shard_path(k), s.num_samples) for k, s in enumerate(entries)
         ]
 
     def _check_files(self) -> None:
@@ -135,12 +146,33 @@ class PackReader:
         return k, i - int(self.shard_starts[k])
 
     def get(self, i: int):
-        """Payload of global record ``i``: a zero-copy buffer valid until ``close()``."""
+        """Payload of global record ``i``: a zero-copy buffer valid until ``close()`` (for a
+        remote pack, until another shard's first read may close this one)."""
         k, j = self.locate(i)
+        if self.remote is not None and k not in self._held:
+            self._hold(k)
         return self._readers[k].get(j)
 
+    def _hold(self, k: int) -> None:
+        self.remote.hold(self.shard_entries[k])
+        self._held[k] = None
+        while len(self._held) > self.max_open:
+            old = next(iter(self._held))
+            del self._held[old]
+            self._readers[old].close()
+            self.remote.release(self.shard_entries[old])
+
     def shard_path(self, k: int) -> Path:
+        """Shard ``k``'s local file (for a remote pack, its place in the node cache)."""
+        if self.remote is not None:
+            return self.remote.path(self.shard_entries[k])
         return self.root / self.shard_entries[k].file
+
+    def shard_name(self, k: int) -> str:
+        """How errors name shard ``k``: its path, or its URL for a remote pack."""
+        if self.url is not None:
+            return f"{self.url}/{self.shard_entries[k].file}"
+        return str(self.shard_path(k))
 
     def shard_reader(self, k: int) -> ShardReader:
         return self._readers[k]
@@ -163,14 +195,31 @@ class PackReader:
     def close(self) -> None:
         for r in self._readers:
             r.close()
+        if self.remote is not None:
+            for k in list(self._held):
+                self.remote.release(self.shard_entries[k])
+            self._held.clear()
 
     def __getstate__(self):
         state = self.__dict__.copy()
+        state["_held"] = {}  # holds are this process's file locks
         # The index is rebuilt from the shards if needed; datasets keep their own arrays.
         state.pop("index", None)
         return state
 
 
-def open_pack(root: str | Path, *, check_files: bool = True) -> PackReader:
-    """Open a packed directory for reading (nothing is opened until the first record is read)."""
+def open_pack(root: str | Path, *, check_files: bool = True, cache_dir: str | Path | None = None,
+              cache_limit: int | str | None = None, storage_options: dict | None = None,
+              endpoint_url: str | None = None) -> PackReader:
+    """Open a packed directory, or a pack at a URL (``s3://``, ``gs://``, ``az://``...) read
+    through the node's shard cache (``cache_dir``, ``cache_limit``; ``storage_options`` and
+    ``endpoint_url`` for the store). Nothing is opened until the first record is read."""
+    from .remote import is_url
+
+    if is_url(root):
+        from .remote_pack import RemotePack
+
+        remote = RemotePack(str(root), cache_dir=cache_dir, cache_limit=cache_limit,
+                            storage_options=storage_options, endpoint_url=endpoint_url)
+        return PackReader(str(root), check_files=check_files, remote=remote)
     return PackReader(root, check_files=check_files)

@@ -1,0 +1,205 @@
+"""A pack at a URL (``s3://bucket/prefix``), read through the node-local shard cache.
+
+Opening a remote pack downloads only its manifests and index files (small) into
+``<cache_dir>/packs/<url hash>/``; :class:`~fastload.storage.PackReader` then reads them as
+it reads a local pack. Shards are fetched whole, on first use (or ahead of it, see
+:meth:`RemotePack.prefetch`), into the :class:`~fastload.storage.cache.ShardCache` that every
+process and rank on the node shares: one download per shard per node, SHA-256-checked
+against the manifest before it is renamed into place, evicted least-recently-used when the
+cache is over ``cache_limit``.
+
+Packs are written to a URL by packing into a local staging folder and uploading each file,
+the manifest last (:func:`upload_pack`), so a remote pack never looks complete before it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..errors import FormatError
+from ..schema import MANIFEST_NAME, Manifest, ShardEntry, find_manifests, read_manifest
+from .cache import ShardCache, parse_size
+from .remote import RemoteNotFoundError, RemoteStore, is_url
+
+__all__ = ["RemotePack", "default_cache_dir", "is_url", "remove_staging", "staging_dir", "upload_pack"]
+
+_PART_MANIFEST = re.compile(r"^manifest-p\d{5}-of-\d{5}\.json$")
+CACHE_ENV = "FASTLOAD_CACHE_DIR"
+_DEFAULT_FREE_FRACTION = 0.8  # of the cache disk's free space, when no cache_limit is given
+
+
+def default_cache_dir() -> Path:
+    """``$FASTLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastload``, else ``~/.cache/fastload``."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastload"
+
+
+def _default_limit(directory: Path) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(directory)
+    return max(1 << 30, int(st.f_bavail * st.f_frsize * _DEFAULT_FREE_FRACTION))
+
+
+class RemotePack:
+    """The files of the pack at ``url``: small ones (manifests, index files) copied into a
+    local folder, shards through a :class:`ShardCache` (``cache_dir``, ``cache_limit``: bytes
+    or a size like ``"200GB"``; default 80% of the cache disk's free space).
+
+    ``storage_options``/``endpoint_url`` go to :class:`~fastload.storage.remote.RemoteStore`
+    (credentials and endpoints otherwise come from the environment). Pickles small; each
+    process opens its own client and cache handle.
+    """
+
+    def __init__(self, url: str, *, cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 storage_options: Mapping[str, Any] | None = None, endpoint_url: str | None = None):
+        if not is_url(url):
+            raise ValueError(f"{url!r} is not an object-store URL")
+        self.url = str(url).rstrip("/")
+        self.store = RemoteStore(self.url, storage_options=storage_options, endpoint_url=endpoint_url)
+        directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        limit = parse_size(cache_limit) if cache_limit is not None else _default_limit(directory)
+        self.cache = ShardCache(directory, limit)
+        self.namespace = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.meta_dir = directory / "packs" / self.namespace
+
+    def __repr__(self) -> str:
+        return f"RemotePack({self.url!r}, cache={self.cache!r})"
+
+    # -- manifests and index files ----------------------------------------------------------
+
+    def fetch_meta(self) -> Path:
+        """Download the manifests (always: they say whether the pack changed) and the index
+        files they list (when the local copy's checksum differs) into :attr:`meta_dir`."""
+        self.meta_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            names = [MANIFEST_NAME] if self.store.head(MANIFEST_NAME) is not None else sorted(
+                k for k, _ in self.store.list() if _PART_MANIFEST.match(k))
+        except RemoteNotFoundError:
+            names = []
+        if not names:
+            raise FormatError(f"{self.url}: no {MANIFEST_NAME} (not a fastload pack, or its packing never finished)")
+        keep = set(names)
+        for name in names:
+            _atomic_write(self.meta_dir / name, self.store.get_bytes(name))
+        for stale in self.meta_dir.glob("manifest*.json"):  # parts of an earlier pack at this URL
+            if stale.name not in keep:
+                stale.unlink(missing_ok=True)
+        manifests = find_manifests(self.meta_dir)
+        for m in manifests:
+            if m.index is None:
+                raise FormatError(
+                    f"{self.url}: packed by an older fastload without an index file; repack it to read it "
+                    "from object storage (or copy it to a local disk)"
+                )
+            self._fetch_small(m.index)
+        return self.meta_dir
+
+    def _fetch_small(self, entry: ShardEntry) -> None:
+        dest = self.meta_dir / entry.file
+        if dest.is_file() and dest.stat().st_size == entry.bytes and _sha256(dest) == entry.sha256:
+            return
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        self.store.download(entry.file, tmp, size=entry.bytes, sha256=entry.sha256)
+        os.replace(tmp, dest)
+
+    # -- shards ----------------------------------------------------------------------------
+
+    def key(self, entry: ShardEntry) -> str:
+        """The shard's key in the node cache (namespaced by the pack's URL)."""
+        return f"{self.namespace}/{entry.file}"
+
+    def path(self, entry: ShardEntry) -> Path:
+        return self.cache.path(self.key(entry))
+
+    def _fetcher(self, entry: ShardEntry):
+        def fetch(dest: Path) -> None:
+            self.store.download(entry.file, dest, size=entry.bytes, sha256=entry.sha256)
+
+        return fetch
+
+    def hold(self, entry: ShardEntry) -> Path:
+        """The shard's local path, downloaded first if no process on the node has it, locked
+        against eviction until :meth:`release`."""
+        return self.cache.get(self.key(entry), size=entry.bytes, sha256=entry.sha256, fetch=self._fetcher(entry),
+                              hold=True)
+
+    def release(self, entry: ShardEntry) -> None:
+        self.cache.release(self.key(entry))
+
+    def prefetch(self, entries: Iterable[ShardEntry], *, max_workers: int = 4) -> None:
+        """Start downloading shards that will be needed soon (background threads; a later
+        :meth:`hold` waits for them, and any failure surfaces there)."""
+        items = [(self.key(e), e.bytes, e.sha256, self._fetcher(e)) for e in entries]
+        if items:
+            self.cache.prefetch(items, max_workers=max_workers)
+
+    def set_needed(self, entries: Iterable[ShardEntry]) -> None:
+        """Shards this process will read soon: evicted last (see ShardCache.set_needed)."""
+        self.cache.set_needed(self.key(e) for e in entries)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def upload_pack(local: Path, store: RemoteStore, *, part: int = 0, parts: int = 1, log=None) -> int:
+    """Upload one finished local pack part to ``store``: shards, then the index file, then the
+    manifest, each skipped when the bucket already holds an object of the recorded size (an
+    interrupted upload resumes). Every upload is checked by size. Returns the bytes uploaded."""
+    from ..schema import manifest_name
+
+    mpath = Path(local) / manifest_name(part, parts)
+    manifest: Manifest = read_manifest(mpath)
+    sent = 0
+    for entry in (*manifest.shards, *((manifest.index,) if manifest.index is not None else ())):
+        if store.head(entry.file) == entry.bytes:
+            continue
+        store.upload(Path(local) / entry.file, entry.file)
+        got = store.head(entry.file)
+        if got != entry.bytes:
+            raise FormatError(f"{store.url}/{entry.file}: uploaded {entry.bytes} bytes but the store holds {got}")
+        sent += entry.bytes
+        if log is not None:
+            log(entry.file)
+    data = mpath.read_bytes()
+    store.put_bytes(mpath.name, data)  # last: the remote pack is complete from here on
+    return sent + len(data)
+
+
+def staging_dir(url: str, part: int, parts: int, base: Path | None = None) -> Path:
+    """Where ``fastload pack SRC URL`` packs before uploading: stable per (URL, part), so a
+    rerun resumes the local pack and the upload."""
+    digest = hashlib.sha256(f"{url.rstrip('/')}|{part}|{parts}".encode()).hexdigest()[:16]
+    return (base or default_cache_dir()) / "staging" / digest
+
+
+def remove_staging(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
