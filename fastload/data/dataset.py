@@ -86,6 +86,14 @@ class ImageFolder:
     shares those pages; nothing is copied per worker). The copy stays while any process
     that opened it (a rank, a spawned worker) is alive; the last one to exit removes it.
 
+    ``root`` may be a URL (``s3://bucket/prefix``, ``gs://``, ``az://``): the pack's manifests
+    and index are fetched at once, each shard on its first read (or ahead of it, when a
+    fastload DataLoader announces its next batches) into the node-local shard cache
+    ``cache_dir`` (default ``$FASTLOAD_CACHE_DIR`` or ``~/.cache/fastload``), at most
+    ``cache_limit`` bytes of shards (default 80% of that disk's free space), shared by every
+    process and rank on the node; ``storage_options``/``endpoint_url`` configure the store,
+    ``retry_seconds`` bounds retries of an unreachable one (see :mod:`fastload.storage.remote_pack`).
+
     Every pack has labels (the packer reads an ImageFolder tree or ``path,label`` rows), so
     this class also serves non-classification data: ignore ``target``, or map it with
     ``target_transform``. There is no separate ``PackedDataset``.
@@ -109,6 +117,7 @@ class ImageFolder:
         cache_limit: int | str | None = None,
         storage_options: dict | None = None,
         endpoint_url: str | None = None,
+        retry_seconds: float = 60.0,
     ):
         if image_type not in IMAGE_TYPES:
             raise ValueError(f"image_type must be one of {', '.join(IMAGE_TYPES)}, got {image_type!r}")
@@ -123,7 +132,7 @@ class ImageFolder:
         pack_dir = _copy_to_shm(self.root) if in_memory else self.root
         self.reader: PackReader = open_pack(pack_dir, check_files=check_files, cache_dir=cache_dir,
                                             cache_limit=cache_limit, storage_options=storage_options,
-                                            endpoint_url=endpoint_url)
+                                            endpoint_url=endpoint_url, retry_seconds=retry_seconds)
         self._prefetched: dict[int, None] = {}  # remote shards whose download was started, recent last
         index = self.reader.index
         self._labels = np.ascontiguousarray(index.labels, dtype=np.int64)

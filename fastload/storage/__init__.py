@@ -210,16 +210,18 @@ class PackReader:
 
 def open_pack(root: str | Path, *, check_files: bool = True, cache_dir: str | Path | None = None,
               cache_limit: int | str | None = None, storage_options: dict | None = None,
-              endpoint_url: str | None = None) -> PackReader:
+              endpoint_url: str | None = None, retry_seconds: float = 60.0) -> PackReader:
     """Open a packed directory, or a pack at a URL (``s3://``, ``gs://``, ``az://``...) read
-    through the node's shard cache (``cache_dir``, ``cache_limit``; ``storage_options`` and
-    ``endpoint_url`` for the store). Nothing is opened until the first record is read."""
+    through the node's shard cache (``cache_dir``, ``cache_limit``; ``storage_options``,
+    ``endpoint_url`` and ``retry_seconds`` for the store). Nothing is opened until the first
+    record is read."""
     from .remote import is_url
 
     if is_url(root):
         from .remote_pack import RemotePack
 
         remote = RemotePack(str(root), cache_dir=cache_dir, cache_limit=cache_limit,
-                            storage_options=storage_options, endpoint_url=endpoint_url)
+                            storage_options=storage_options, endpoint_url=endpoint_url,
+                            retry_seconds=retry_seconds)
         return PackReader(str(root), check_files=check_files, remote=remote)
     return PackReader(root, check_files=check_files)

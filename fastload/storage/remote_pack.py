@@ -53,17 +53,20 @@ class RemotePack:
     local folder, shards through a :class:`ShardCache` (``cache_dir``, ``cache_limit``: bytes
     or a size like ``"200GB"``; default 80% of the cache disk's free space).
 
-    ``storage_options``/``endpoint_url`` go to :class:`~fastload.storage.remote.RemoteStore`
-    (credentials and endpoints otherwise come from the environment). Pickles small; each
+    ``storage_options``/``endpoint_url``/``retry_seconds`` go to
+    :class:`~fastload.storage.remote.RemoteStore` (credentials and endpoints otherwise come
+    from the environment; a store that stays unreachable fails after ``retry_seconds``). Pickles small; each
     process opens its own client and cache handle.
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                 storage_options: Mapping[str, Any] | None = None, endpoint_url: str | None = None):
+                 storage_options: Mapping[str, Any] | None = None, endpoint_url: str | None = None,
+                 retry_seconds: float = 60.0):
         if not is_url(url):
             raise ValueError(f"{url!r} is not an object-store URL")
         self.url = str(url).rstrip("/")
-        self.store = RemoteStore(self.url, storage_options=storage_options, endpoint_url=endpoint_url)
+        self.store = RemoteStore(self.url, storage_options=storage_options, endpoint_url=endpoint_url,
+                                 retry_seconds=retry_seconds)
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         limit = parse_size(cache_limit) if cache_limit is not None else _default_limit(directory)
         self.cache = ShardCache(directory, limit)
