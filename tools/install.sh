@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="dali"
-[ "${1:-}" = "--test" ] && extras="dali,test"
+extras="dali,remote"
+[ "${1:-}" = "--test" ] && extras="dali,remote,test"
 
 # jpeg4py needs libjpeg-turbo's shared library (Debian: libturbojpeg0).
 if ! ldconfig -p 2>/dev/null | grep libturbojpeg >/dev/null; then
