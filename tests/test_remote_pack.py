@@ -175,3 +175,27 @@ def test_cli_pack_inspect_verify_with_a_url(sample_tree, s3_bucket, s3_server, t
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr
     r = run("inspect", f"{s3_bucket}/nothing-here", "--cache-dir", str(tmp_path / "c"), *opts)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "manifest" in r.stderr
+
+
+def test_an_interrupted_upload_resumes_from_what_the_bucket_holds(sample_tree, s3_bucket, s3_server, tmp_path):
+    from fastload.storage.remote_pack import upload_pack
+
+    url = f"{s3_bucket}/resume"
+    staging = tmp_path / "staging"
+    pack(sample_tree, staging, config=PackConfig(**CFG))  # what an interrupted `pack SRC URL` leaves behind
+    store = s3_server.remote_store(url)
+    local = open_pack(staging)
+    first = local.shard_entries[0]
+    store.upload(staging / first.file, first.file)  # the upload got this far
+    with pytest.raises(FastloadError, match="no manifest.json"):
+        open_pack(url, **_remote(s3_server, tmp_path))  # an unfinished remote pack never looks complete
+    # rerunning the command reuses the finished staging pack and sends only what is missing
+    sent = []
+    total = upload_pack(staging, store, log=sent.append)
+    assert first.file not in sent and len(sent) == len(local.shard_entries)  # the other shards + the index
+    assert total == sum(e.bytes for e in local.shard_entries[1:]) + local.index_entries[0].bytes + len(
+        (staging / "manifest.json").read_bytes())
+    summary = pack(sample_tree, url, config=PackConfig(**{**CFG, "overwrite": True}), staging=staging,
+                   endpoint_url=s3_server.endpoint_url, storage_options=s3_server.storage_options)
+    assert summary.packed == 24
+    assert len(ImageFolder(url, **_remote(s3_server, tmp_path))) == 24
