@@ -69,6 +69,23 @@ def write_section(name: str, body: str, *, command: str | None = None) -> None:
     RESULTS.write_text(text)
 
 
+def ensure_tree(workdir: Path, images: int, *, workers: int) -> tuple[Path, int]:
+    """``workdir/src``: the sample generator's ImageFolder tree of about ``images`` ~500x375
+    JPEGs (8 classes; 2 below 80 images), made unless it is already there. Returns the tree
+    and how many images it was made with."""
+    import math
+
+    from fastload.sample import make_image_folder
+
+    classes = 8 if images >= 80 else 2
+    per_class = math.ceil(images / classes)
+    src = Path(workdir) / "src"
+    if not src.exists():
+        print(f"generating {classes * per_class} JPEGs in {src} ...", flush=True)
+        make_image_folder(src, num_classes=classes, per_class=per_class, workers=workers)
+    return src, classes * per_class
+
+
 def ensure_pack(src: Path, dest: Path, cfg, label: str) -> Path:
     """``dest``, packed from ``src`` with the PackConfig ``cfg`` unless it already holds a
     finished pack made with the same output options: a workdir kept from a run of an older

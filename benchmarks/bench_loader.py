@@ -26,7 +26,6 @@ Prints images/s and ratios and writes the ``bench_loader`` section of RESULTS.md
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import random
 import shutil
@@ -39,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not another install
-from _results import ensure_pack, table, write_section  # noqa: E402
+from _results import ensure_pack, ensure_tree, table, write_section  # noqa: E402
 
 OUT = 224
 EPOCHS = 3  # timed passes per measurement; the best is reported
@@ -274,16 +273,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from fastload.config import PackConfig
-    from fastload.sample import make_image_folder
 
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench_loader-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    classes = 8 if args.images >= 80 else 2
-    per_class = math.ceil(args.images / classes)
-    src = tmp / "src"
-    if not src.exists():
-        print(f"generating {classes * per_class} JPEGs in {src} ...", flush=True)
-        make_image_folder(src, num_classes=classes, per_class=per_class, workers=args.workers)
+    src, count = ensure_tree(tmp, args.images, workers=args.workers)
     variants = [
         ("original", dict(payload="original")),
         ("jpeg@256", dict(payload="jpeg", resize=256, quality=90)),
@@ -399,7 +392,7 @@ def main(argv=None) -> int:
     )
 
     body = (
-        f"{classes * per_class} generated ~500x375 JPEGs, output {OUT}x{OUT} RandomResizedCrop + flip, "
+        f"{count} generated ~500x375 JPEGs, output {OUT}x{OUT} RandomResizedCrop + flip, "
         f"batch {args.batch}, {args.workers} workers, warm page cache; each figure is the best of {EPOCHS} timed epochs after a warm-up epoch, each measured in a fresh process.\n\n"
         + table(["loader", "storage", "images/s", "vs ceiling"], rows)
         + "\n\n" + "\n".join(f"- {r}" for r in ratios)

@@ -8,6 +8,14 @@ process or under torchrun, on one or several nodes::
     torchrun --nproc_per_node=8 tools/train.py DIR --arch resnet50 --amp bf16 --backend dali
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29400 --nproc_per_node=8 tools/train.py DIR ...
 
+DIR may also be a URL prefix in object storage (``s3://bucket/imagenet`` holding
+``s3://bucket/imagenet/train`` and ``.../val``, each written by ``fastload pack SRC URL``):
+shards are read through the node-local cache (``--cache-dir``, ``--cache-limit``), and
+``--shuffle block`` keeps the training set's working set to a few shards per node when that
+cache cannot hold the whole pack::
+
+    python tools/train.py s3://bucket/imagenet --cache-dir /nvme/cache --cache-limit 200GB --shuffle block
+
 ``--batch-size`` is per process; the learning rate is not rescaled for you. Every epoch prints
 the training loss, images/s over all processes, the data-stall fraction (time the step
 waited for data) and validation Acc@1/Acc@5; a checkpoint (model, optimizer, scaler,
@@ -22,10 +30,14 @@ import sys
 import time
 from pathlib import Path
 
+from fastload.commands import add_remote_args, remote_kwargs
+from fastload.storage.remote import is_url
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", metavar="DIR", type=Path, help="folder with train/ and val/ packed datasets")
+    p.add_argument("data", metavar="DIR", help="folder (or URL prefix: s3://bucket/prefix) with train/ and val/ "
+                   "packed datasets")
     p.add_argument("-a", "--arch", default="resnet18",
                    help="model: a torchvision name when torchvision is importable, else small_cnn, resnet_small, "
                         "resnet18, resnet50 (default resnet18)")
@@ -41,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("cpu", "dali"), default="cpu",
                    help="cpu: fastload DataLoader + CUDA prefetcher; dali: DALI pipeline")
     p.add_argument("-j", "--workers", type=int, default=None, help="loader processes (DALI threads) per process")
+    p.add_argument("--shuffle", choices=("full", "block"), default="full",
+                   help="training order: full (a permutation of all samples per epoch) or block (shards "
+                        "shuffled in windows of --shuffle-window shards: for a remote pack larger than the cache)")
+    p.add_argument("--shuffle-window", type=int, default=4, metavar="N", help="shards per window of --shuffle block")
     p.add_argument("--crop", type=int, default=224, help="training and validation resolution")
     p.add_argument("--min-scale", type=float, default=0.08, help="smallest RandomResizedCrop area fraction")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster on tensor cores)")
@@ -54,7 +70,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-p", "--print-freq", type=int, default=0, help="optimizer steps between progress lines")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
+    add_remote_args(p)
+    p.add_argument("--cache-limit", default=None, metavar="SIZE",
+                   help="most bytes of shards in the node cache, e.g. 200GB (default 80%% of its disk's free space)")
     return p.parse_args(argv)
+
+
+def split_dir(data: str, split: str) -> str | Path:
+    """``DIR/split``: a local folder, or the pack under a URL prefix (``s3://b/x`` -> ``s3://b/x/train``)."""
+    return f"{data.rstrip('/')}/{split}" if is_url(data) else Path(data) / split
 
 
 def main(argv=None) -> int:
@@ -69,10 +93,14 @@ def main(argv=None) -> int:
 
     info = None
     try:
-        for split in ("train", "val"):
-            if not (args.data / split).is_dir():
-                raise FastloadError(f"{args.data / split}: missing; DIR must hold train/ and val/ packed datasets")
-        train_pack, val_pack = open_pack(args.data / "train"), open_pack(args.data / "val")
+        train_dir, val_dir = split_dir(args.data, "train"), split_dir(args.data, "val")
+        for d in (train_dir, val_dir):
+            if not is_url(d) and not d.is_dir():
+                raise FastloadError(f"{d}: missing; DIR must hold train/ and val/ packed datasets")
+        remote = {**remote_kwargs(args), "cache_limit": args.cache_limit}
+        train_pack, val_pack = open_pack(train_dir, **remote), open_pack(val_dir, **remote)
+        train_pack.close()  # only their sizes and classes are needed here
+        val_pack.close()
         if list(train_pack.classes) != list(val_pack.classes):
             raise FastloadError(f"{args.data}: train/ and val/ have different classes")
         num_classes = len(train_pack.classes)
@@ -87,10 +115,10 @@ def main(argv=None) -> int:
 
         common = dict(backend=args.backend, crop=args.crop, normalization=IMAGENET,
                       device=info.device, seed=args.seed, num_workers=args.workers,
-                      channels_last=args.channels_last)
-        train_loader = make_loader(args.data / "train", batch_size=args.batch_size, train=True,
-                                   scale=(args.min_scale, 1.0), **common)
-        val_loader = make_loader(args.data / "val", batch_size=args.batch_size, train=False, **common)
+                      channels_last=args.channels_last, **remote)
+        train_loader = make_loader(train_dir, batch_size=args.batch_size, train=True, shuffle=args.shuffle,
+                                   shuffle_window=args.shuffle_window, scale=(args.min_scale, 1.0), **common)
+        val_loader = make_loader(val_dir, batch_size=args.batch_size, train=False, **common)
 
         steps_per_epoch = math.ceil(len(train_loader) / args.accum)
         total = max(1, args.epochs * steps_per_epoch)
@@ -118,7 +146,8 @@ def main(argv=None) -> int:
         log(f"{args.arch}: {len(train_pack)} training / {len(val_pack)} validation images, {num_classes} classes; "
             f"{info.world_size} process{'es' if info.world_size > 1 else ''} on {info.device}, batch "
             f"{args.batch_size} x {info.world_size} x accum {args.accum} = "
-            f"{args.batch_size * info.world_size * args.accum} per step, {args.amp}, backend {args.backend}")
+            f"{args.batch_size * info.world_size * args.accum} per step, {args.amp}, backend {args.backend}"
+            + (f", block shuffle over {args.shuffle_window} shards" if args.shuffle == "block" else ""))
         if args.resume is not None:
             trainer.load_checkpoint(args.resume, loader=train_loader)
             log(f"resumed from {args.resume}: epoch {trainer.epoch}, step {trainer.step}")

@@ -14,6 +14,13 @@ the DDP sampler pads ranks to equal length by wrapping around); ``drop_last=True
 batches only and drops the permutation's tail. Either way every rank gets the same number of
 batches.
 
+A pack at a URL (``s3://bucket/prefix``) is read through the node-local shard cache, as by
+:class:`~fastload.data.dataset.ImageFolder`: the source gets the loader's
+:class:`~fastload.storage.remote_pack.RemotePack` (a URL, store options and a cache directory
+and limit: it pickles small), so every DALI worker reads the same cache, holds the shards it
+reads while it has them open, and starts downloading the shards of the next few batches
+before it needs them.
+
 Augmentation draws are fastload's own (:mod:`fastload.data.draws`): the source computes each
 sample's RandomResizedCrop box and flip from ``(seed, epoch, sample index)`` and hands them
 to DALI with the bytes, so a sample gets the same box and flip as on fastload's CPU loader
@@ -35,13 +42,14 @@ from ..config import usable_cpus
 from ..data.draws import crop_boxes, flip_flags
 from ..checks import check_batch_args, resolve_distributed
 from ..data.order import Order
-from ..data.plan import EpochPlan
+from ..data.plan import BlockShufflePlan, EpochPlan, shard_of
 from ..codecs import jpegcrop as _jpegcrop
 from ..data.dataset import decode_error, describe_record, first_substitute, read_error
 from ..data.protocols import on_error_skips
 from ..errors import DecodeError, FormatError, require
 from ..normalization import SCALE_ONLY, Normalization, as_normalization
-from ..storage import open_pack
+from ..storage import PackReader, open_pack
+from ..storage.remote import is_url
 
 __all__ = ["DALILoader", "PackBatchSource", "dali_available"]
 
@@ -78,6 +86,10 @@ class PackBatchSource:
     loader's choice), with that sample's label and crop box, and writes one line per
     replacement to stderr (this runs in DALI's worker processes: nothing else reaches the
     main process).
+
+    ``remote``: the :class:`~fastload.storage.remote_pack.RemotePack` of a pack at a URL (the
+    loader's, so the workers use its store options and node cache); ``ahead``: how many batches
+    past the one being read have their shards' downloads started (remote packs only).
     """
 
     def __init__(
@@ -94,9 +106,13 @@ class PackBatchSource:
         ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
         flip_p: float = 0.5,
         on_error: str = "raise",
+        remote: Any = None,
+        ahead: int = 0,
     ):
         self.on_error = "skip" if on_error_skips(on_error) else "raise"
-        self.root = Path(root)
+        self.root: Path | str = str(root).rstrip("/") if is_url(root) else Path(root)
+        self.remote = remote
+        self.ahead = max(0, int(ahead))
         self.labels = np.ascontiguousarray(labels, dtype=np.int64)
         self.shapes = None if shapes is None else np.ascontiguousarray(shapes, dtype=np.int32)
         if plan.num_samples != len(self.labels):
@@ -112,14 +128,34 @@ class PackBatchSource:
         self.flip_p = float(flip_p)
         if self.scale is not None and (self.hw is None or len(self.hw) != len(self.labels)):
             raise ValueError("PackBatchSource: training augmentation needs the stored (h, w) of every record")
-        self._pack = None
+        self._pack: PackReader | None = None
         self._cached: tuple[int, int, np.ndarray] | None = None
+        self._announced: dict[int, None] = {}  # remote shards whose download was started, recent last
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_pack"] = None
         state["_cached"] = None
+        state["_announced"] = {}
         return state
+
+    def reader(self) -> PackReader:
+        """This process's reader of the pack, opened on first use."""
+        if self._pack is None:
+            if self.remote is not None:
+                pack = PackReader(self.remote.url, check_files=False, remote=self.remote)
+            else:
+                pack = open_pack(self.root, check_files=False)
+            if len(pack) != len(self.labels):
+                pack.close()
+                raise FormatError(f"{self.root}: the pack has {len(pack)} records, the loader was built for "
+                                  f"{len(self.labels)} (packed again since?); build the loader again")
+            if isinstance(self.plan, BlockShufflePlan):
+                # A batch reads at most two windows' shards: holding more would pin, against
+                # eviction, shards of windows long past, and a cache sized for the windows overflows.
+                pack.max_open = min(pack.max_open, 2 * self.plan.window)
+            self._pack = pack
+        return self._pack
 
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         if self._cached is None or self._cached[:2] != (epoch, start):
@@ -147,19 +183,40 @@ class PackBatchSource:
         return start, end, flips.astype(np.int32)
 
     def __call__(self, info) -> tuple:
-        epoch_idx = int(info.epoch_idx)
-        idx = self.batch_indices(epoch_idx, int(info.iteration))
+        epoch_idx, iteration = int(info.epoch_idx), int(info.iteration)
+        idx = self.batch_indices(epoch_idx, iteration)
+        self.download_ahead(epoch_idx, iteration)
         idx, data = self.read(idx, self.base_epoch + epoch_idx)  # idx: what was served (substitutes)
         if self.scale is None:
             return data, self.labels[idx]
         return (data, self.labels[idx], *self.augment(self.base_epoch + epoch_idx, idx))
 
+    def download_ahead(self, epoch_idx: int, iteration: int) -> None:
+        """Start downloading (in the background) the remote shards that batch ``iteration`` and
+        the ``ahead`` batches after it read, unless this process already did: the batch's
+        shards then arrive in parallel, and later batches find theirs in the node cache. DALI
+        hands batches to its workers in turn, so every batch is announced by some worker."""
+        pack = self.reader()
+        if pack.remote is None:
+            return
+        start = self.start if epoch_idx == 0 else 0
+        bs = self.plan.batch_size
+        idx = self.indices(self.base_epoch + epoch_idx, start)[iteration * bs : (iteration + 1 + self.ahead) * bs]
+        new = [k for k in np.unique(shard_of(idx, pack.shard_starts)).tolist() if k not in self._announced]
+        if not new:
+            return
+        pack.remote.prefetch([pack.shard_entries[k] for k in new])
+        for k in new:
+            self._announced[k] = None
+        while len(self._announced) > 4 * pack.max_open:  # bounded: forget the oldest
+            del self._announced[next(iter(self._announced))]
+        pack.remote.set_needed(pack.shard_entries[k] for k in self._announced)
+
     def read(self, idx: np.ndarray, epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """``(served, data)``: the arrays DALI gets for samples ``idx`` (:meth:`record`), and the
         dataset indices they are of: ``idx`` itself, or a copy with every corrupt record replaced
         by its substitute under ``on_error="skip"`` (its label and crop box follow from it)."""
-        if self._pack is None:
-            self._pack = open_pack(self.root, check_files=False)
+        pack = self.reader()
         served, data = idx, []
         for j, i in enumerate(idx.tolist()):
             try:
@@ -174,16 +231,16 @@ class PackBatchSource:
                 served[j] = s
                 data.append(arr)
                 print(f"fastload DALI source (on_error='skip', epoch {epoch}): {exc}; served "
-                      f"{describe_record(self._pack, s)} in its place", file=sys.stderr, flush=True)
+                      f"{describe_record(pack, s)} in its place", file=sys.stderr, flush=True)
         return served, data
 
     def record(self, i: int) -> np.ndarray:
         """Record ``i`` as DALI's input (encoded bytes, or a raw payload's HWC pixels), after a
         cheap check (:func:`payload_problem`; raw: the byte count) so that a damaged record
-        raises here, naming itself, instead of failing inside DALI, which names neither."""
-        if self._pack is None:
-            self._pack = open_pack(self.root, check_files=False)
-        pack = self._pack
+        raises here, naming itself, instead of failing inside DALI, which names neither.
+        Reading goes through :meth:`PackReader.get`, which holds a remote shard in the node
+        cache while this process has it open; the record is copied out at once."""
+        pack = self.reader()
         try:
             buf = np.frombuffer(pack.get(i), dtype=np.uint8)
         except (FormatError, OSError) as exc:
@@ -269,12 +326,24 @@ class DALILoader:
     one line on stderr naming the record and its substitute. The check reads only headers and
     markers; a record damaged inside its compressed data still fails DALI's decoder, which
     ends the pipeline (``fastload verify`` finds such shards).
+
+    ``plan``: an :class:`~fastload.data.plan.EpochPlan` to follow instead of a full shuffle
+    (e.g. a :class:`~fastload.data.plan.BlockShufflePlan`), as in fastload's DataLoader: its
+    ``num_samples`` must be the pack's, and its fields win over ``batch_size`` (which may then
+    be left out), ``seed``, ``shuffle``, ``drop_last`` and ``distributed``.
+
+    ``root`` may be a URL (``s3://bucket/prefix``, ``gs://``, ``az://``): the pack is read
+    through the node-local shard cache ``cache_dir`` (at most ``cache_limit`` bytes),
+    ``storage_options``/``endpoint_url``/``retry_seconds`` configure the store, as for
+    :class:`~fastload.data.dataset.ImageFolder`; :attr:`remote` is then the pack's
+    :class:`~fastload.storage.remote_pack.RemotePack` (None for a local pack). The source's
+    workers must be spawned (the default; the object-store client does not survive ``fork``).
     """
 
     def __init__(
         self,
         root: str | Path,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
         device: str = "gpu",
         shuffle: bool = True,
@@ -297,6 +366,12 @@ class DALILoader:
         py_start_method: str | None = None,
         prefetch_queue_depth: int = 2,
         on_error: str = "raise",
+        plan: EpochPlan | None = None,
+        cache_dir: str | Path | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict | None = None,
+        endpoint_url: str | None = None,
+        retry_seconds: float = 60.0,
     ):
         import torch
 
@@ -305,6 +380,10 @@ class DALILoader:
         self._dali_mod = _dali()
         if device not in ("gpu", "cpu"):
             raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        if plan is not None:
+            batch_size = plan.batch_size
+        elif batch_size is None:
+            raise ValueError("DALILoader needs a batch_size (or a plan=)")
         check_batch_args(batch_size=batch_size, crop=crop, resize_ratio=resize_ratio)
         if not (0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {scale}")
@@ -312,6 +391,10 @@ class DALILoader:
             raise ValueError(f"ratio must satisfy 0 < min <= max, got {ratio}")
         if py_start_method not in (None, "fork", "spawn"):
             raise ValueError(f"py_start_method must be 'fork', 'spawn' or None, got {py_start_method!r}")
+        remote = is_url(root)
+        if remote and py_start_method == "fork":
+            raise ValueError(f"{root}: a pack in object storage needs py_start_method='spawn' "
+                             "(the object-store client does not survive fork)")
         dtype = torch.float32 if dtype is None else dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
@@ -322,13 +405,13 @@ class DALILoader:
         else:
             device_id = None
 
-        self.root = Path(root)
+        self.root: Path | str = str(root).rstrip("/") if remote else Path(root)  # Path() mangles "s3://"
         self.batch_size = batch_size
         self.device = device
         self.device_id = device_id
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
+        self.shuffle = bool(shuffle if plan is None else plan.shuffle)
+        self.seed = int(seed if plan is None else plan.seed)
+        self.drop_last = bool(drop_last if plan is None else plan.drop_last)
         self.crop = crop
         self.train = bool(train)
         self.dtype = dtype
@@ -336,8 +419,10 @@ class DALILoader:
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.resize_ratio = float(resize_ratio)
-        # the same convention as fastload.DataLoader (None: from torch.distributed if initialised)
-        self.rank, self.world_size = resolve_distributed(distributed)
+        if plan is not None:
+            self.rank, self.world_size = plan.rank, plan.world_size
+        else:  # the same convention as fastload.DataLoader (None: from torch.distributed if initialised)
+            self.rank, self.world_size = resolve_distributed(distributed)
         self.num_threads = int(num_threads) if num_threads else max(1, min(8, usable_cpus()))
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
@@ -348,7 +433,9 @@ class DALILoader:
         rgb = (self.normalization or SCALE_ONLY).broadcast(3)  # the pipeline decodes to RGB
         self.mean, self.std = rgb.mean, rgb.std
 
-        pack = open_pack(self.root)
+        pack = open_pack(self.root, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
+                         endpoint_url=endpoint_url, retry_seconds=retry_seconds)
+        self.remote = pack.remote  # pickles small into the source: its workers use the same node cache
         if pack.payload not in _DECODABLE and pack.payload != "raw":
             raise FormatError(f"{self.root}: payload {pack.payload!r} cannot be read by the DALI pipeline")
         self.payload = pack.payload
@@ -361,12 +448,16 @@ class DALILoader:
             raise FormatError(f"{self.root}: raw records must be RGB (H, W, 3) for the DALI pipeline")
         pack.close()
         self.num_samples = len(self._labels)
-        self.order = Order(EpochPlan(self.num_samples, batch_size=batch_size, seed=seed, shuffle=shuffle,
-                                     rank=self.rank, world_size=self.world_size, drop_last=drop_last))
+        if plan is None:
+            plan = EpochPlan(self.num_samples, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                             rank=self.rank, world_size=self.world_size, drop_last=drop_last)
+        elif plan.num_samples != self.num_samples:
+            raise ValueError(f"plan has num_samples={plan.num_samples} but {self.root} has {self.num_samples}")
+        self.order = Order(plan)
         if len(self) == 0:
             raise ValueError(
                 f"{self.root}: {self.num_samples} samples over {self.world_size} rank(s) make no "
-                f"batch of {batch_size}" + (" with drop_last=True" if drop_last else "")
+                f"batch of {batch_size}" + (" with drop_last=True" if self.drop_last else "")
             )
 
         self._pipe = None
@@ -379,6 +470,7 @@ class DALILoader:
             self.root, labels=self._labels, shapes=self._shapes, plan=self.order.plan,
             base_epoch=base_epoch, start=start,
             hw=self._hw, scale=self.scale if self.train else None, ratio=self.ratio, on_error=self.on_error,
+            remote=self.remote, ahead=2 * (self.py_num_workers + self.prefetch_queue_depth),
         )
 
     @property
