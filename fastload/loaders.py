@@ -173,9 +173,6 @@ def make_loader(
     dataset = ImageFolder(root, transform=transform, seed=seed, **remote)
     if order is Shuffle.BLOCK:
         extra["plan"] = block_plan(dataset.reader.shard_starts)
-        # A batch reads at most two windows' shards; a reader holding more (its default is 32)
-        # pins shards of past windows against eviction, and a cache sized for the windows overflows.
-        dataset.reader.max_open = min(dataset.reader.max_open, 2 * shuffle_window)
     loader = DataLoader(
         dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
         num_workers=num_workers, distributed=distributed, on_error=on_error, **extra,

@@ -133,7 +133,6 @@ class ImageFolder:
         self.reader: PackReader = open_pack(pack_dir, check_files=check_files, cache_dir=cache_dir,
                                             cache_limit=cache_limit, storage_options=storage_options,
                                             endpoint_url=endpoint_url, retry_seconds=retry_seconds)
-        self._prefetched: dict[int, None] = {}  # remote shards whose download was started, recent last
         index = self.reader.index
         self._labels = np.ascontiguousarray(index.labels, dtype=np.int64)
         self._shapes = np.ascontiguousarray(index.shapes, dtype=np.int32)
@@ -185,22 +184,14 @@ class ImageFolder:
 
     def prefetch(self, indices: np.ndarray) -> None:
         """Start downloading the shards that samples ``indices`` are in, if the pack is remote
-        and they are not already on their way (a no-op for a local pack). The loader calls it
-        for the batches a few steps ahead, so a warm loader never waits on the network."""
-        reader = self.reader
-        if reader.remote is None or not len(indices):
-            return
-        shards = np.unique(np.searchsorted(reader.shard_starts, np.asarray(indices), side="right") - 1)
-        new = [int(k) for k in shards if int(k) not in self._prefetched]
-        if not new:
-            return
-        entries = [reader.shard_entries[k] for k in new]
-        reader.remote.prefetch(entries)
-        for k in new:
-            self._prefetched[k] = None
-        while len(self._prefetched) > 4 * reader.max_open:  # bounded: forget the oldest
-            del self._prefetched[next(iter(self._prefetched))]
-        reader.remote.set_needed(reader.shard_entries[k] for k in self._prefetched)
+        (a no-op for a local pack). The loader calls it for the batches a few steps ahead, so a
+        warm loader never waits on the network."""
+        self.reader.prefetch(indices)
+
+    def hold_at_most(self, n: int | None) -> None:
+        """Keep at most ``n`` remote shards open in each process (the loader passes its order's
+        ``open_shards``)."""
+        self.reader.hold_at_most(n)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch that seeds augmentation (fastload's DataLoader passes it per batch)."""
@@ -476,7 +467,6 @@ class ImageFolder:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_paths"] = None  # reread from the pack on demand: keeps pickles ~20 bytes/sample
-        state["_prefetched"] = {}  # each process starts its own downloads
         return state
 
     def __setstate__(self, state) -> None:

@@ -215,6 +215,8 @@ class DataLoader:
         # a remote pack's workers must not be forked from a process that has used the store
         self.multiprocessing_context = multiprocessing_context or getattr(dataset, "worker_start_method", None)
         self._hint = dataset.prefetch if isinstance(dataset, Prefetching) else None
+        if isinstance(dataset, Prefetching):  # before the workers copy the dataset
+            dataset.hold_at_most(self.plan.open_shards)
         self.mode, self._image_shape = self._choose_path(dataset, collate_fn)
         self._generation = 0
         self._outstanding = 0  # tasks sent to workers whose results have not come back (any generation)

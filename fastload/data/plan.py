@@ -79,6 +79,9 @@ class EpochPlan:
     drop_last: bool = False
 
     kind: ClassVar[str] = "full-shuffle"  # recorded in states: a resume must use the same order
+    # Remote shards a reader should keep open (held against eviction) under this order; None:
+    # no bound from the order (a full shuffle touches every shard all the time).
+    open_shards: ClassVar[int | None] = None
     # identity() keys that define the order: check_resume refuses a state that differs in one
     resume_keys: ClassVar[tuple[str, ...]] = ("plan", "num_samples", "seed", "shuffle")
 
@@ -295,6 +298,12 @@ class BlockShufflePlan(EpochPlan):
     window: int = 4
 
     kind: ClassVar[str] = "block-shuffle"
+
+    @property
+    def open_shards(self) -> int:  # type: ignore[override]
+        """A batch reads at most two windows' shards: a reader holding more would pin, against
+        eviction, shards of windows long past, and a cache sized for the windows would overflow."""
+        return 2 * self.window
     resume_keys: ClassVar[tuple[str, ...]] = (*EpochPlan.resume_keys, "window", "shard_layout")
 
     def __post_init__(self) -> None:

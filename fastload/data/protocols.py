@@ -86,3 +86,6 @@ class Prefetching(Protocol):
 
     def prefetch(self, indices: np.ndarray) -> None:
         """Samples ``indices`` will be read soon (a hint: it must return at once)."""
+
+    def hold_at_most(self, n: int | None) -> None:
+        """Keep at most ``n`` remote shards open per process (the order's ``open_shards``)."""

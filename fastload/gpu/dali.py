@@ -42,7 +42,7 @@ from ..config import usable_cpus
 from ..data.draws import crop_boxes, flip_flags
 from ..checks import check_batch_args, resolve_distributed
 from ..data.order import Order
-from ..data.plan import BlockShufflePlan, EpochPlan, shard_of
+from ..data.plan import EpochPlan
 from ..codecs import jpegcrop as _jpegcrop
 from ..data.dataset import decode_error, describe_record, first_substitute, read_error
 from ..data.protocols import on_error_skips
@@ -130,13 +130,11 @@ class PackBatchSource:
             raise ValueError("PackBatchSource: training augmentation needs the stored (h, w) of every record")
         self._pack: PackReader | None = None
         self._cached: tuple[int, int, np.ndarray] | None = None
-        self._announced: dict[int, None] = {}  # remote shards whose download was started, recent last
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_pack"] = None
         state["_cached"] = None
-        state["_announced"] = {}
         return state
 
     def reader(self) -> PackReader:
@@ -150,10 +148,7 @@ class PackBatchSource:
                 pack.close()
                 raise FormatError(f"{self.root}: the pack has {len(pack)} records, the loader was built for "
                                   f"{len(self.labels)} (packed again since?); build the loader again")
-            if isinstance(self.plan, BlockShufflePlan):
-                # A batch reads at most two windows' shards: holding more would pin, against
-                # eviction, shards of windows long past, and a cache sized for the windows overflows.
-                pack.max_open = min(pack.max_open, 2 * self.plan.window)
+            pack.hold_at_most(self.plan.open_shards)
             self._pack = pack
         return self._pack
 
@@ -196,21 +191,9 @@ class PackBatchSource:
         the ``ahead`` batches after it read, unless this process already did: the batch's
         shards then arrive in parallel, and later batches find theirs in the node cache. DALI
         hands batches to its workers in turn, so every batch is announced by some worker."""
-        pack = self.reader()
-        if pack.remote is None:
-            return
         start = self.start if epoch_idx == 0 else 0
         bs = self.plan.batch_size
-        idx = self.indices(self.base_epoch + epoch_idx, start)[iteration * bs : (iteration + 1 + self.ahead) * bs]
-        new = [k for k in np.unique(shard_of(idx, pack.shard_starts)).tolist() if k not in self._announced]
-        if not new:
-            return
-        pack.remote.prefetch([pack.shard_entries[k] for k in new])
-        for k in new:
-            self._announced[k] = None
-        while len(self._announced) > 4 * pack.max_open:  # bounded: forget the oldest
-            del self._announced[next(iter(self._announced))]
-        pack.remote.set_needed(pack.shard_entries[k] for k in self._announced)
+        self.reader().prefetch(self.indices(self.base_epoch + epoch_idx, start)[iteration * bs : (iteration + 1 + self.ahead) * bs])
 
     def read(self, idx: np.ndarray, epoch: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """``(served, data)``: the arrays DALI gets for samples ``idx`` (:meth:`record`), and the

@@ -69,6 +69,7 @@ class PackReader:
         self.root = Path(remote.fetch_meta()) if remote is not None else Path(root)
         self.max_open = int(max_open)
         self._held: dict[int, None] = {}  # remote shards this process holds, oldest first
+        self._announced: dict[int, None] = {}  # remote shards whose download was started, recent last
         self.manifests: tuple[Manifest, ...] = tuple(find_manifests(self.root))
         first = self.manifests[0]
         self.backend = first.backend
@@ -162,6 +163,28 @@ class PackReader:
             self._readers[old].close()
             self.remote.release(self.shard_entries[old])
 
+    def prefetch(self, indices) -> None:
+        """Start downloading, in the background, the remote shards records ``indices`` are in,
+        unless this process already did (a no-op for a local pack); the shards recently
+        announced are the ones this process needs soon, evicted last. Returns at once."""
+        if self.remote is None or not len(indices):
+            return
+        shards = np.unique(np.searchsorted(self.shard_starts, np.asarray(indices), side="right") - 1)
+        new = [int(k) for k in shards if int(k) not in self._announced]
+        if not new:
+            return
+        self.remote.prefetch([self.shard_entries[k] for k in new])
+        for k in new:
+            self._announced[k] = None
+        while len(self._announced) > 4 * self.max_open:  # bounded: forget the oldest
+            del self._announced[next(iter(self._announced))]
+        self.remote.set_needed(self.shard_entries[k] for k in self._announced)
+
+    def hold_at_most(self, n: int | None) -> None:
+        """Keep at most ``n`` remote shards open (an order's ``open_shards``; None: no change)."""
+        if n is not None:
+            self.max_open = min(self.max_open, int(n))
+
     def shard_path(self, k: int) -> Path:
         """Shard ``k``'s local file (for a remote pack, its place in the node cache)."""
         if self.remote is not None:
@@ -203,6 +226,7 @@ class PackReader:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_held"] = {}  # holds are this process's file locks
+        state["_announced"] = {}  # and downloads are started per process
         # The index is rebuilt from the shards if needed; datasets keep their own arrays.
         state.pop("index", None)
         return state
