@@ -585,3 +585,33 @@ def test_a_forked_child_cannot_drop_the_parents_hold(tmp_path, origin):
     _get_checked(cache, c)  # a is the least recently used, and still held by us
     assert _present(cache) == {"a", "c"}
     cache.release(a.key)
+
+
+class _StaleFirstLook(ShardCache):
+    """A cache whose first look at a shard is out of date: it sees the shard missing although
+    another process has it (the race where that process finished the fetch in between)."""
+
+    def _valid(self, key, size, sha):
+        if not getattr(self, "_looked", False):
+            self._looked = True
+            return False
+        return super()._valid(key, size, sha)
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_never_waits_forever_on_a_readers_hold(origin, tmp_path):
+    """Regression: a process that found a shard missing used to wait for LOCK_EX while a
+    reader held the (meanwhile fetched) shard with LOCK_SH; that reader could be waiting for
+    the first process (a loader's worker waiting for the main process's next task), and the
+    epoch never ended. Now it sees the shard arrived and serves it."""
+    item = origin.shard("a")
+    reader = ShardCache(tmp_path / "c", 10 * SHARD)
+    late = _StaleFirstLook(tmp_path / "c", 10 * SHARD)
+    held = item.get(reader, hold=True)  # a reader holds the shard (LOCK_SH) and keeps it
+    try:
+        got = item.get(late)  # its first look says "missing"
+        assert got == held and item.fetch.calls() == 1  # served the held copy, no second fetch
+    finally:
+        reader.release(item.key)
+        reader.close()
+        late.close()

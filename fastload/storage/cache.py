@@ -35,6 +35,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import random
 import re
 import secrets
 import threading
@@ -49,6 +50,8 @@ from pathlib import Path
 
 from ..errors import FastloadError
 from .base import file_sha256
+
+_EXCLUSIVE_WAIT_S = 300.0  # how long a fetch waits for another process's hold on the same shard
 
 __all__ = ["CacheError", "CacheStats", "Fetch", "ShardCache", "check_key", "parse_size"]
 
@@ -416,7 +419,13 @@ class ShardCache:
                 return self._serve(key, fd, hold=hold, hit=not missed, count=count)
             missed = True
             _unlock(fd)
-            fd = _flock(lock, fcntl.LOCK_EX)
+            fd = self._exclusive(key, size, sha)
+            if fd is None:  # it arrived while we waited: someone else fetched it
+                fd = _flock(lock, fcntl.LOCK_SH)
+                if self._valid(key, size, sha):
+                    return self._serve(key, fd, hold=hold, hit=False, count=count)
+                _unlock(fd)
+                continue
             try:
                 if not self._valid(key, size, sha):  # whoever held LOCK_EX may have fetched it
                     self._fill(key, size, sha, fetch, protect)
@@ -435,6 +444,31 @@ class ShardCache:
             f"{self.attempts} times: cache_limit {self.limit_bytes} bytes is too small for the "
             f"shards in use"
         )
+
+    def _exclusive(self, key: str, size: int, sha: str) -> int | None:
+        """LOCK_EX on ``lock`` to fetch the shard, or None once the shard is present.
+
+        Never a blocking wait for LOCK_EX: a reader that holds the shard (LOCK_SH, kept while it
+        reads) may be waiting for this very process to hand it work, and a blocked LOCK_EX
+        would then wait forever. So: try LOCK_EX without waiting; if taken, wait for LOCK_SH
+        (that waits only for a downloader, which finishes) and report a shard that is now
+        there; else back off and try again, for at most ``_EXCLUSIVE_WAIT_S``.
+        """
+        lock = self._lock(key)
+        deadline = time.monotonic() + _EXCLUSIVE_WAIT_S
+        while True:
+            fd = _flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is not None:
+                return fd
+            fd = _flock(lock, fcntl.LOCK_SH)
+            present = self._valid(key, size, sha)
+            _unlock(fd)
+            if present:
+                return None
+            if time.monotonic() > deadline:
+                raise CacheError(f"{lock}: another process has held this shard for {_EXCLUSIVE_WAIT_S:.0f} s "
+                                 "without finishing it (a copy with other content still in use?)")
+            time.sleep(random.uniform(0.005, 0.05))
 
     def _serve(self, key: str, fd: int | None, *, hold: bool, hit: bool = True, count: bool = False) -> Path:
         """Mark a shard we hold LOCK_SH on as used, count it, and keep or drop the lock ``fd``."""
