@@ -89,7 +89,8 @@ WINDOW = 4  # BlockShufflePlan window, in shards
 # may hold open: None for the loader's own bound, the plan's open_shards = 2 windows).
 BLOCK_RUNS = (("block4", 4, None), ("block3", 3, None), ("block2", 2, None), ("block2 hold4", 2, WINDOW))
 CHILD_TIMEOUT = 300  # seconds for one library measurement
-FASTLOAD_TIMEOUT = 180  # seconds for one fastload measurement (a normal one takes 5-30 s)
+FASTLOAD_TIMEOUT = 90  # seconds for one fastload measurement (a normal one takes 5-30 s)
+RETRIES = 2  # hung block-shuffle runs tried once more, at most this many in a run (time bound)
 
 
 # -- the same augmentation, for the libraries that hand back bytes ----------------------------
@@ -552,6 +553,7 @@ def main(argv=None) -> int:
     res: dict[str, dict] = {}
     failures: dict[str, list[str]] = {}  # why a measurement (or one of its repeats) gave no figure
     hangs: set[str] = set()
+    retries = [RETRIES]
     writes: dict[str, float] = {}
     objects: dict[str, int] = {}
     libs = [lib for lib in ("streaming", "litdata") if lib not in args.skip]
@@ -674,7 +676,8 @@ def main(argv=None) -> int:
                           f"{hold or 'the default'}, {phase} ...", flush=True)
                     fargs = (url, remote, cache, limit, args.batch, args.workers, warm, WINDOW, hold)
                     out = measure(key, bench_fastload_remote, *fargs)
-                    if out is None and key in hangs:  # once more, so a hang does not hide the figures
+                    if out is None and key in hangs and retries[0] > 0:  # so a hang does not hide the figures
+                        retries[0] -= 1
                         print("  retrying once", flush=True)
                         if not warm:
                             fresh("cache-fastload-block")
@@ -774,7 +777,7 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
     if hangs:
         notes.append(
             f"Hung runs ({', '.join(sorted(hangs))}): killed after {FASTLOAD_TIMEOUT} s (a block-shuffle run that hangs "
-            f"is tried once more). The one hang examined (py-spy "
+            f"is tried once more, at most {RETRIES} times a run). The one hang examined (py-spy "
             "and /proc/locks, block-shuffle cold with a 2-window cache) was a deadlock in the shard cache: worker B, "
             "having found a shard missing under LOCK_SH, waited in ShardCache._get for LOCK_EX on its lock file, "
             "while worker A held that shard (LOCK_SH, a reader's hold: the shard had meanwhile been fetched, by the "
