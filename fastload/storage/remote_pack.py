@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import FormatError
 from ..schema import MANIFEST_NAME, Manifest, ShardEntry, find_manifests, read_manifest
+from .base import file_sha256
 from .cache import ShardCache, parse_size
 from .remote import RemoteNotFoundError, RemoteStore, is_url
 
@@ -107,7 +108,7 @@ class RemotePack:
 
     def _fetch_small(self, entry: ShardEntry) -> None:
         dest = self.meta_dir / entry.file
-        if dest.is_file() and dest.stat().st_size == entry.bytes and _sha256(dest) == entry.sha256:
+        if dest.is_file() and dest.stat().st_size == entry.bytes and file_sha256(dest) == entry.sha256:
             return
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
         self.store.download(entry.file, tmp, size=entry.bytes, sha256=entry.sha256)
@@ -150,14 +151,6 @@ class RemotePack:
 
     def close(self) -> None:
         self.cache.close()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
