@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "BlockShufflePlan": ".data.plan",
     "CUDAPrefetcher": ".gpu.prefetcher",
+    "CorruptRecordError": ".errors",
     "DataLoader": ".data.loader",
     "DecodeError": ".errors",
     "DistributedEpochSampler": ".data.sampler",
@@ -30,12 +31,14 @@ _LAZY = {
     "Normalization": ".normalization",
     "OnError": ".config",
     "OnRecordError": ".data.protocols",
-    "PerformanceWarning": ".data.loader",
+    "PerformanceWarning": ".errors",
     "PackConfig": ".config",
     "PackError": ".errors",
     "PackReader": ".storage",
     "PackSummary": ".pack",
+    "SharedMemoryFull": ".data.shm",
     "WorkerError": ".data.loader",
+    "WorkerTimeout": ".data.loader",
     "collate_uint8": ".data.collate",
     "epoch_indices": ".data.sampler",
     "get_codec": ".codecs",
@@ -76,13 +79,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .codecs import get_codec
     from .data.dataset import ImageFolder
     from .data.collate import collate_uint8
-    from .data.loader import DataLoader, PerformanceWarning, WorkerError
+    from .data.loader import DataLoader, WorkerError, WorkerTimeout
+    from .data.shm import SharedMemoryFull
     from .data.plan import BlockShufflePlan, EpochPlan
     from .data.protocols import OnRecordError
     from .data.sampler import DistributedEpochSampler, epoch_indices
     from .gpu.prefetcher import CUDAPrefetcher
     from .loaders import make_loader
-    from .errors import DecodeError, FastloadError, FormatError, PackError
+    from .errors import CorruptRecordError, DecodeError, FastloadError, FormatError, PackError, PerformanceWarning
     from .normalization import IMAGENET, Normalization
     from .sample import make_image_folder
     from .schema import Manifest

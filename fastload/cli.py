@@ -7,7 +7,9 @@ non-zero exit code; a traceback means a bug in fastload.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 
 from . import __version__
@@ -20,10 +22,35 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed 
 
 
 class _OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (plus a hint), not the whole usage block."""
+    """argparse, but a usage error is one line (plus a hint), not the whole usage block.
+
+    Sub-command parsers are this class too (argparse makes them of the parent's class), so a
+    bad value points to ``fastload pack --help``; :func:`main` sends unknown options there too.
+    """
 
     def error(self, message: str):
+        m = _INVALID_CHOICE.search(message)
+        if m:  # `--format hdf` or `fastload pakc`: name the nearest choice
+            message += _did_you_mean(m.group(1), _QUOTED.findall(m.group(2)))
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+_QUOTED = re.compile(r"'([^']*)'")
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    # Compared without leading dashes: every option shares "--", which would make "--zz" look like "--size".
+    names = {c.lstrip("-"): c for c in candidates}
+    close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.6)
+    return f"; did you mean {names[close[0]]}?" if close else ""
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``unrecognized arguments: --fromat hdf5; did you mean --format?`` for ``parser``'s options."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = [_did_you_mean(w.split("=", 1)[0], options) for w in extra if w.startswith("-")]
+    return f"unrecognized arguments: {' '.join(extra)}" + next(filter(None, hints), "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser  # pragma: no cover - build_parser always adds sub-commands
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # point to the sub-command's help, not the top level's
+        sub = _subparser(parser, args.command)
+        sub.error(_unknown_arguments(sub, extra))
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

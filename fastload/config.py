@@ -51,6 +51,7 @@ class PackConfig:
     on_error: OnError = OnError.SKIP
     overwrite: bool = False
     progress: bool = True
+    max_file_size: int = 256 << 20  # source files larger than this are skipped (and listed), never read
 
     def __post_init__(self) -> None:
         if self.backend not in PACK_BACKENDS:
@@ -76,6 +77,8 @@ class PackConfig:
             raise ValueError("payload 'original' stores the source bytes untouched; it cannot be resized")
         if not _is_int(self.shard_size) or self.shard_size <= 0:
             raise ValueError(f"shard_size must be a positive number of bytes, got {self.shard_size!r}")
+        if not _is_int(self.max_file_size) or self.max_file_size <= 0:
+            raise ValueError(f"max_file_size must be a positive number of bytes, got {self.max_file_size!r}")
         if self.workers is not None and (not _is_int(self.workers) or self.workers < 1):
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
         if not _is_int(self.parts) or self.parts < 1 or self.parts > 99999:

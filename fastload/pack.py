@@ -17,8 +17,10 @@ import multiprocessing
 import os
 import re
 import signal
-from contextlib import contextmanager
+import stat
+import struct
 import sys
+from contextlib import contextmanager
 import threading
 import time
 from dataclasses import dataclass
@@ -42,7 +44,10 @@ from .schema import (
     write_manifest,
 )
 
-__all__ = ["PackSummary", "pack", "scan_source", "journal_name"]
+__all__ = [
+    "PackSummary", "UnreadableSource", "check_dest_outside_source", "file_stamp", "journal_name", "pack",
+    "read_source_file", "scan_source", "shown", "stamps_digest",
+]
 
 log = logging.getLogger("fastload.pack")
 
@@ -62,16 +67,27 @@ class PackSummary:
     manifest: Path
     shards: int = 0
     resumed_from: int = 0  # inputs taken over from an interrupted run
+    resumed_shards: int = 0  # finished shards taken over from an interrupted run
+    packed_before: int = 0  # images in those shards (not packed by this run)
 
     @property
     def images_per_s(self) -> float:
-        return self.packed / self.seconds if self.seconds > 0 else 0.0
+        """The rate of this run: images it packed itself over its own time (a resumed run
+        does not count the images an earlier run packed)."""
+        done = self.packed - self.packed_before
+        return done / self.seconds if self.seconds > 0 else 0.0
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
+        resumed = ""
+        if self.resumed_shards:
+            resumed = (
+                f", resumed after {self.resumed_shards} of {self.shards} shards "
+                f"({self.packed - self.packed_before} images packed by this run)"
+            )
         return (
             f"packed {self.packed} images ({self.skipped} skipped) into {self.shards} shard"
-            f"{'' if self.shards == 1 else 's'}, {human_bytes(self.bytes)} in {self.seconds:.1f} s "
+            f"{'' if self.shards == 1 else 's'}, {human_bytes(self.bytes)}{resumed} in {self.seconds:.1f} s "
             f"({self.images_per_s:.0f} images/s) -> {self.dest}"
         )
 
@@ -94,23 +110,87 @@ class _Encoding:
     restart_markers: bool
     resize: int | None
     size: tuple[int, int] | None
+    max_file_size: int
 
 
-def _process(enc: _Encoding, relpath: str) -> tuple[bytes | None, tuple[int, int, int] | str]:
-    """Read, decode, resize, encode one input: ``(payload, shape)`` or ``(None, reason)``."""
+class UnreadableSource(Exception):
+    """A source file that is not read; the message is the reason listed in the manifest."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_source_file(path: str, *, max_bytes: int) -> bytes:
+    """The bytes of one source file, refusing anything that could hang or exhaust memory.
+
+    Only regular files are read: the check runs on the opened descriptor (``fstat`` after a
+    non-blocking open that follows links), so a FIFO, ``/dev/zero`` or a file swapped for one
+    after the scan cannot block or stream forever. Files over ``max_bytes`` are refused, and
+    at most ``max_bytes + 1`` bytes are ever read, so a file that grows meanwhile is caught.
+    Raises :class:`UnreadableSource` with a short reason.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     try:
-        with open(os.path.join(enc.base, relpath), "rb") as f:
-            data = f.read()
+        fd = os.open(path, flags)
     except FileNotFoundError:
-        return None, "file not found"
+        raise UnreadableSource("broken symbolic link (its target is missing)" if os.path.islink(path)
+                       else "file not found") from None
     except OSError as exc:
-        return None, f"unreadable ({exc.strerror or exc})"
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise UnreadableSource(f"not a regular file ({_kind(mode)})") from None
+        raise UnreadableSource(f"unreadable ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableSource(f"not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > max_bytes:
+            raise UnreadableSource(f"file too large ({human_bytes(st.st_size)}, over the --max-file-size "
+                           f"limit of {human_bytes(max_bytes)})")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise UnreadableSource(f"unreadable ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise UnreadableSource(f"file too large (grew past the --max-file-size limit of {human_bytes(max_bytes)})")
+    return data
+
+
+def file_stamp(path: str | Path) -> tuple[int, int]:
+    """``(size, mtime_ns)`` of a source file (links followed), ``(-1, -1)`` if it cannot be
+    stat'ed: what a resume compares to notice a file edited in place since it was packed."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
+
+
+def _process(enc: _Encoding, relpath: str) -> tuple[bytes | None, tuple[int, int, int] | str, tuple[int, int]]:
+    """Read, decode, resize, encode one input: ``(payload, shape, stamp)`` or
+    ``(None, reason, stamp)``; the stamp is taken here, in parallel, not in a pass before."""
+    path = os.path.join(enc.base, relpath)
+    stamp = file_stamp(path)
+    try:
+        data = read_source_file(path, max_bytes=enc.max_file_size)
+    except UnreadableSource as exc:
+        return None, str(exc), stamp
     try:
         img = _load(enc, data, relpath)
     except DecodeError as exc:
-        return None, str(exc).removeprefix(f"{relpath}: ")
+        return None, str(exc).removeprefix(f"{relpath}: "), stamp
     if enc.payload == "original":
-        return data, img.shape
+        return data, img.shape, stamp
     from .codecs import get_codec
 
     codec = get_codec(enc.payload)
@@ -118,7 +198,15 @@ def _process(enc: _Encoding, relpath: str) -> tuple[bytes | None, tuple[int, int
         out = codec.encode(img, quality=enc.quality, restart=enc.restart_markers)
     else:
         out = codec.encode(img)
-    return out, img.shape
+    return out, img.shape, stamp
+
+
+def stamps_digest(stamps) -> str:
+    """One hash of the ``file_stamp`` of each input of a shard, in order (kept in the journal)."""
+    h = hashlib.sha256()
+    for size, mtime in stamps:
+        h.update(struct.pack("<qq", size, mtime))
+    return h.hexdigest()
 
 
 def _load(enc: _Encoding, data: bytes, relpath: str) -> np.ndarray:
@@ -132,9 +220,35 @@ def _load(enc: _Encoding, data: bytes, relpath: str) -> np.ndarray:
     return np.ascontiguousarray(img)
 
 
-def _init_worker() -> None:
+def _init_worker(parent: int) -> None:
     # Ctrl-C reaches the whole process group; only the main process handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this (worker) process end when ``parent`` dies, even by ``kill -9``.
+
+    Without it, workers of a killed pack each print a BrokenPipeError traceback when they next
+    write a result. Linux delivers SIGKILL on parent death (``PR_SET_PDEATHSIG``); the check
+    that ``parent`` still exists closes the race of a parent that died before the call (it
+    asks about ``parent`` itself, not ``getppid``, which is a fork server's pid under
+    ``forkserver``).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl: best effort
+            pass
+    try:
+        os.kill(parent, 0)
+    except ProcessLookupError:
+        os._exit(0)
+    except OSError:  # pragma: no cover - exists, but not ours to signal
+        pass
 
 
 class _Feeder:
@@ -237,8 +351,9 @@ def _part_lock(dest: Path, cfg: PackConfig):
         os.close(fd)
 
 
-def _prepare_dest(dest: Path, cfg: PackConfig, key: str) -> dict | None:
-    """Make DEST ready; returns the journal to resume from, or None for a fresh start."""
+def _prepare_dest(dest: Path, cfg: PackConfig, key: str, stamps_between) -> dict | None:
+    """Make DEST ready; returns the journal to resume from, or None for a fresh start.
+    ``stamps_between(lo, hi)``: the ``stamps_digest`` of this part's inputs ``lo..hi-1`` now."""
     own = _own_patterns(cfg.part, cfg.parts)
     siblings = _sibling_patterns(cfg.parts)
     lock = journal_name(cfg.part, cfg.parts) + ".lock"
@@ -273,7 +388,7 @@ def _prepare_dest(dest: Path, cfg: PackConfig, key: str) -> dict | None:
         log.warning("%s: the unfinished pack there used other options or another source; restarting", dest)
         _remove(dest / n for n in mine)
         return None
-    return _validate_resume(dest, journal, mine, jpath.name)
+    return _validate_resume(dest, journal, mine, jpath.name, stamps_between)
 
 
 def _read_journal(path: Path) -> dict | None:
@@ -286,8 +401,9 @@ def _read_journal(path: Path) -> dict | None:
     return d if isinstance(d, dict) else {"key": None}
 
 
-def _validate_resume(dest: Path, journal: dict, mine: list[str], jname: str) -> dict | None:
-    """Keep the journal's finished shards whose bytes still match; drop everything after."""
+def _validate_resume(dest: Path, journal: dict, mine: list[str], jname: str, stamps_between) -> dict | None:
+    """Keep the journal's finished shards whose bytes still match and whose source files are
+    unchanged (size and mtime, checked only for these inputs); drop everything after."""
     from .storage.base import file_sha256
 
     try:
@@ -295,14 +411,20 @@ def _validate_resume(dest: Path, journal: dict, mine: list[str], jname: str) -> 
         ends = [int(x) for x in journal["ends"]]
         skipped = [(int(pos), SkippedInput(**s)) for pos, s in journal["skipped"]]
         shapes = journal["shapes"]
+        stamps = [str(x) for x in journal["stamps"]]
+        if not len(entries) == len(ends) == len(shapes) == len(stamps):
+            raise ValueError("journal lists differ in length")
     except (KeyError, TypeError, ValueError):
         log.warning("%s: unreadable pack journal; restarting", dest)
         _remove(dest / n for n in mine)
         return None
     good = 0
-    for e in entries:
+    for k, e in enumerate(entries):
         p = dest / e.file
         if not p.is_file() or p.stat().st_size != e.bytes or file_sha256(p) != e.sha256:
+            break
+        if stamps_between(ends[k - 1] if k else 0, ends[k]) != stamps[k]:
+            log.warning("%s: a source file of %s changed since it was packed; repacking from there", dest, e.file)
             break
         good += 1
     keep = {e.file for e in entries[:good]} | {jname}
@@ -313,6 +435,7 @@ def _validate_resume(dest: Path, journal: dict, mine: list[str], jname: str) -> 
         "ends": ends[:good],
         "skipped": [(pos, s) for pos, s in skipped if pos < end],
         "shapes": shapes[:good],
+        "stamps": stamps[:good],
         "position": end,
     }
 
@@ -326,14 +449,11 @@ def _write_journal(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _part_bounds(cfg: PackConfig, n: int) -> tuple[int, int]:
-    """``[start, stop)`` of this part's deterministic slice of ``n`` inputs."""
-    return cfg.part * n // cfg.parts, (cfg.part + 1) * n // cfg.parts
-
-
 def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
-    """A hash of everything that determines the output: options, classes, the listing, and
-    the size and mtime of this part's files, so a resume notices files edited in place."""
+    """A hash of the options, classes and the part's listing (with where it sits in the
+    source and the source's size): what must match for a resume. Files edited
+    in place are caught per shard (``stamps_digest``), with no stat pass over every input
+    before the first image is packed."""
     h = hashlib.sha256()
     head = {
         "version": FORMAT_VERSION,
@@ -342,22 +462,16 @@ def _source_key(cfg: PackConfig, listing: SourceListing) -> str:
         "options": cfg.output_options(),
         "part": cfg.part,
         "parts": cfg.parts,
+        "max_file_size": cfg.max_file_size,
         "classes": list(listing.classes),
         "base": str(listing.base.resolve()),
+        "start": listing.start,
+        "total": listing.total,
     }
     h.update(json.dumps(head, sort_keys=True).encode())
-    for p in listing.relpaths:
-        h.update(p.encode("utf-8", "surrogateescape") + b"\0")
-    h.update(np.ascontiguousarray(listing.labels, dtype="<i8").tobytes())
-    start, stop = _part_bounds(cfg, len(listing))
-    stats = np.full((stop - start, 2), -1, dtype="<i8")  # (size, mtime_ns); -1: unreadable
-    for k, rel in enumerate(listing.relpaths[start:stop]):
-        try:
-            st = os.stat(listing.resolve(rel))
-        except OSError:
-            continue
-        stats[k] = st.st_size, st.st_mtime_ns
-    h.update(stats.tobytes())
+    h.update(np.ascontiguousarray(listing.relpaths.offsets, dtype="<i8"))
+    h.update(np.ascontiguousarray(listing.relpaths.blob, dtype=np.uint8))
+    h.update(np.ascontiguousarray(listing.labels, dtype="<i8"))
     return h.hexdigest()
 
 
@@ -385,27 +499,94 @@ def pack(source: str | Path, dest: str | Path, *, config: PackConfig | None = No
                             staging=staging)
     t0 = time.perf_counter()
     dest = Path(dest)
-    listing = list_source(source)
-    n = len(listing)
-    if n == 0:
+    try:
+        str(dest).encode("utf-8")
+    except UnicodeEncodeError:  # source names may be any bytes; LMDB and HDF5 need a UTF-8 DEST
+        raise PackError(f"{dest}: DEST name is not valid UTF-8; choose another folder name") from None
+    check_dest_outside_source(source, dest)
+    listing = list_source(source, part=cfg.part, parts=cfg.parts)  # this part's inputs only
+    if listing.total == 0:
         raise PackError(f"{source}: no images found")
-    start, stop = _part_bounds(cfg, n)
+    for s in listing.skipped:
+        if cfg.on_error is OnError.FAIL:
+            raise PackError(f"{shown(listing.resolve(s.path))}: {s.reason}; {_SKIP_HINT}")
+        log.warning("skipped %s: %s", shown(s.path), s.reason)
+    start, stop = 0, len(listing)  # indices into the part's listing
     key = _source_key(cfg, listing)
-    with _part_lock(dest, cfg):
-        resume = _prepare_dest(dest, cfg, key)
-        run = _PackRun(cfg, listing, dest, key, start, stop, resume)
-        run.execute()
+    created = not dest.exists()
+    try:
+        with _part_lock(dest, cfg):
+            try:
+                def stamps_between(lo: int, hi: int) -> str:
+                    return stamps_digest(file_stamp(listing.resolve(r)) for r in listing.iter_relpaths(start + lo, start + hi))
+
+                resume = _prepare_dest(dest, cfg, key, stamps_between)
+                run = _PackRun(cfg, listing, dest, key, start, stop, resume)
+                run.execute()
+            except FastloadError:
+                _remove_unstarted_journal(dest, cfg)  # while the lock is ours
+                raise
+    except FastloadError:
+        if created:
+            try:
+                dest.rmdir()  # only if empty: a failed run leaves no half-made DEST behind
+            except OSError:
+                pass
+        raise
     seconds = time.perf_counter() - t0
+    resumed = resume["shards"] if resume else []
     return PackSummary(
         packed=run.packed,
-        skipped=len(run.skipped),
+        skipped=len(run.skipped) + len(run.scan_skipped),
         bytes=sum(e.bytes for e in run.entries),
         seconds=seconds,
         dest=dest,
         manifest=dest / manifest_name(cfg.part, cfg.parts),
         shards=len(run.entries),
         resumed_from=run.resumed_from,
+        resumed_shards=len(resumed),
+        packed_before=sum(e.num_samples for e in resumed),
     )
+
+
+def shown(path: str | Path) -> str:
+    """A file name for a one-line message: as is when printable, else quoted with escapes (a
+    newline in a name must not split the line; a non-UTF-8 byte shows as ``\\udcXX``)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+_SKIP_HINT = "rerun with --on-error skip to skip unreadable inputs (they are listed in the manifest)"
+
+
+def check_dest_outside_source(source: str | Path, dest: str | Path) -> None:
+    """Refuse a DEST inside an ImageFolder SRC (the next pack of SRC would scan the shards'
+    folder as a class) and a SRC inside DEST (``--overwrite`` cleans DEST). A CSV source names
+    its files row by row and nothing is scanned, so DEST may sit beside it."""
+    src = Path(source)
+    if not src.is_dir():
+        return
+    s, d = os.path.realpath(src), os.path.realpath(dest)
+    if d == s or d.startswith(s.rstrip(os.sep) + os.sep):
+        raise PackError(
+            f"{dest}: DEST is inside SRC {src}; the next pack of SRC would scan it as a class folder. "
+            "Choose a DEST outside SRC"
+        )
+    if s.startswith(d.rstrip(os.sep) + os.sep):
+        raise PackError(f"{dest}: SRC {src} is inside DEST; choose a DEST outside SRC")
+
+
+def _remove_unstarted_journal(dest: Path, cfg: PackConfig) -> None:
+    """After a failed run: if DEST holds no finished shard of this part (nothing worth
+    resuming), remove the part's journal, so DEST is left as it was before the run."""
+    own = _own_patterns(cfg.part, cfg.parts)
+    jname = journal_name(cfg.part, cfg.parts)
+    try:
+        names = os.listdir(dest)
+    except OSError:
+        return
+    if not any(_matches(n, own) and not n.startswith(jname) for n in names):
+        _remove(dest / n for n in names if n in (jname, jname + ".tmp"))
 
 
 class _PackRun:
@@ -418,12 +599,19 @@ class _PackRun:
         self.entries: list[ShardEntry] = list(resume["shards"]) if resume else []
         self.ends: list[int] = list(resume["ends"]) if resume else []
         self.skipped: list[tuple[int, SkippedInput]] = list(resume["skipped"]) if resume else []
+        # what the scan could not list (unreadable folders...): the first part's manifest lists them
+        self.scan_skipped: tuple[SkippedInput, ...] = listing.skipped if cfg.part == 0 else ()
         self.shapes: list = list(resume["shapes"]) if resume else []  # per shard: [h,w,c] | "mixed" | None
+        self.stamps: list[str] = list(resume["stamps"]) if resume else []  # per shard: stamps_digest
+        self.shard_stamps: list[tuple[int, int]] = []  # file_stamp of each input since the last shard
         self.position = resume["position"] if resume else 0  # inputs of the slice consumed
         self.resumed_from = self.position
         self.packed = sum(e.num_samples for e in self.entries)
         self.writer = None
         self.writer_shape = None  # common shape of the current shard, "mixed", or None if empty
+        # The pack id is the run's key: the same for a resumed run and for any worker count (so
+        # output stays byte-identical), different whenever the output would differ.
+        self.pack_id = key[:32]
 
     # -- journal / shards
 
@@ -437,6 +625,7 @@ class _PackRun:
                 "ends": self.ends,
                 "skipped": [[pos, s.__dict__] for pos, s in self.skipped],
                 "shapes": self.shapes,
+                "stamps": self.stamps,
             },
         )
 
@@ -444,7 +633,8 @@ class _PackRun:
         from .storage import make_shard_writer
 
         name = shard_name(self.cfg.backend, self.cfg.part, self.cfg.parts, len(self.entries))
-        self.writer = make_shard_writer(self.cfg.backend, self.dest / name, shard_size=self.cfg.shard_size)
+        self.writer = make_shard_writer(self.cfg.backend, self.dest / name, shard_size=self.cfg.shard_size,
+                                        pack_id=self.pack_id)
         self.writer_shape = None
 
     def _finish_shard(self) -> None:
@@ -453,6 +643,8 @@ class _PackRun:
         self.entries.append(entry)
         self.ends.append(self.position)
         self.shapes.append(self.writer_shape)
+        self.stamps.append(stamps_digest(self.shard_stamps))
+        self.shard_stamps = []
         self._journal()
 
     def _write_index(self) -> ShardEntry:
@@ -463,7 +655,7 @@ class _PackRun:
         index = ShardIndex.concat(
             make_shard_reader(self.cfg.backend, self.dest / e.file, e.num_samples).read_index() for e in self.entries
         )
-        size, digest = write_index_file(self.dest / name, index)
+        size, digest = write_index_file(self.dest / name, index, pack_id=self.pack_id)
         return ShardEntry(file=name, num_samples=len(index), bytes=size, sha256=digest)
 
     def _tmp_size(self) -> int:
@@ -518,51 +710,65 @@ class _PackRun:
         enc = _Encoding(
             base=str(listing.base), payload=cfg.payload, quality=cfg.quality,
             restart_markers=cfg.restart_markers, resize=cfg.resize, size=cfg.size,
+            max_file_size=cfg.max_file_size,
         )
         first = self.start + self.position
-        relpaths = listing.relpaths[first : self.stop]
+        relpaths = listing.iter_relpaths(first, self.stop)
         labels = listing.labels[first : self.stop]
-        todo = len(relpaths)
+        todo = self.stop - first
         workers = min(cfg.workers or usable_cpus(), max(1, todo))
         fn = functools.partial(_process, enc)
         bar = _progress(cfg, total=self.stop - self.start, initial=self.position)
         pool = feeder = None
+        finished = False
         try:
             if workers <= 1:
                 results = map(fn, relpaths)
             else:
                 chunk = max(1, min(16, todo // (workers * 8)))
                 feeder = _Feeder(relpaths, window=workers * chunk * 8)
-                pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker)
+                pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(os.getpid(),))
                 results = pool.imap(fn, feeder, chunksize=chunk)
-            for relpath, label, (payload, info) in zip(relpaths, labels, results):
+            for relpath, label, (payload, info, stamp) in zip(listing.iter_relpaths(first, self.stop), labels, results):
                 if feeder is not None:
                     feeder.consumed()
-                self._take(relpath, int(label), payload, info)
+                self._take(relpath, int(label), payload, info, stamp)
                 if bar is not None:
                     bar.update(1)
+            finished = True
         finally:
             if bar is not None:
                 bar.close()
             if feeder is not None:
                 feeder.stop()
             if pool is not None:
-                pool.terminate()
+                # Every task done: let the workers exit on their own. terminate() is for an
+                # error or Ctrl-C only: it races with the pool's own thread, which can start a
+                # replacement for a worker it sees die after terminate() has signalled them
+                # all, and join() then waits for that worker forever.
+                if finished:
+                    pool.close()
+                else:
+                    pool.terminate()
                 pool.join()
 
-    def _take(self, relpath: str, label: int, payload: bytes | None, info) -> None:
+    def _take(self, relpath: str, label: int, payload: bytes | None, info, stamp: tuple[int, int]) -> None:
         pos = self.position
         if payload is None:
             if self.cfg.on_error is OnError.FAIL:
-                raise PackError(f"{self.listing.resolve(relpath)}: {info}")
-            log.warning("skipped %s: %s", relpath, info)
+                raise PackError(f"{shown(self.listing.resolve(relpath))}: {info}; {_SKIP_HINT}")
+            log.warning("skipped %s: %s", shown(relpath), info)
             self.skipped.append((pos, SkippedInput(path=relpath, reason=str(info))))
+            self.shard_stamps.append(stamp)
             self.position = pos + 1
             return
+        if self.writer is not None and len(self.writer) and self.writer.payload_bytes + len(payload) > self.cfg.shard_size:
+            self._finish_shard()  # the cap holds: this record starts the next shard
         if self.writer is None:
             self._open_writer()
         shape = tuple(int(s) for s in info)
         self.writer.append(payload, label=label, shape=shape, path=relpath)
+        self.shard_stamps.append(stamp)
         if self.writer_shape is None:
             self.writer_shape = list(shape)
         elif self.writer_shape != "mixed" and self.writer_shape != list(shape):
@@ -584,12 +790,13 @@ class _PackRun:
             shards=tuple(self.entries),
             image_shape=image_shape,
             options=self.cfg.output_options(),
-            skipped=tuple(s for _, s in self.skipped),
+            skipped=self.scan_skipped + tuple(s for _, s in self.skipped),
             part=self.cfg.part,
             parts=self.cfg.parts,
-            source_count=len(self.listing),
+            source_count=self.listing.total,
             source=str(Path(self.listing.base).resolve()),
             index=index,
+            pack_id=self.pack_id,
         )
 
 

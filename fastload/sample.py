@@ -2,7 +2,7 @@
 
 fastload ships eight small public-domain/CC0 photographs (``fastload/sample_data``, see its
 LICENSE.txt). :func:`make_image_folder` turns them into ``N`` classes of ``M`` ImageNet-like
-JPEGs (about 500x375, quality 90) by random crops, scales, flips and lighting, so the demo,
+JPEGs (about 375x500 HxW, quality 90) by random crops, scales, flips and lighting, so the demo,
 tests and benchmarks all get realistic data without any download. Class ``c`` is drawn from
 photograph ``c % 8`` (rotated by 90 degrees for every further round of 8), so the classes
 are learnable: a CNN must tell which photograph a crop came from.
@@ -86,7 +86,8 @@ def make_image_folder(
     quality: int = 90,
     workers: int | None = None,
 ) -> Path:
-    """Write ``root/<class>/<image>.jpg``: ``num_classes`` x ``per_class`` JPEGs of ``size`` (h, w).
+    """Write ``root/<class>/<image>.jpg``: ``num_classes`` x ``per_class`` JPEGs of ``size``
+    ``(height, width)``, as torch orders sizes; one image in four is the transposed (portrait) size.
 
     Deterministic for a given seed. Returns ``root``.
     """

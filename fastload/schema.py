@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
+from .config import PAYLOADS
 from .errors import FormatError
 
 FORMAT_NAME = "fastload"
@@ -48,6 +51,15 @@ class ShardEntry:
     num_samples: int
     bytes: int
     sha256: str
+    # HDF5 shards: the records' contiguous data as (offset, bytes), and the XXH3-64 of every other
+    # byte of the file (its metadata), checked before the HDF5 library reads the file: HDF5 can
+    # hang or crash on damaged metadata. None for LMDB shards, index files and older packs.
+    data_span: tuple[int, int] | None = None
+    meta_xxh3: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_span, list):
+            object.__setattr__(self, "data_span", tuple(self.data_span))
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class Manifest:
     source_count: int = 0
     source: str = ""  # absolute folder the records' source paths are relative to
     index: ShardEntry | None = None  # the part's index file (labels, shapes, paths); None in older packs
+    pack_id: str | None = None  # written into every shard and the index file; None in older packs
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -91,12 +104,21 @@ class Manifest:
         d["classes"] = list(self.classes)
         d["class_to_idx"] = self.class_to_idx
         d["image_shape"] = list(self.image_shape) if self.image_shape else None
+        for e in [*d["shards"], *([d["index"]] if d["index"] else [])]:
+            for k in ("data_span", "meta_xxh3"):  # only where used: older readers know the rest
+                if e[k] is None:
+                    del e[k]
+                elif k == "data_span":
+                    e[k] = list(e[k])
         # Put the identifying keys first so `head manifest.json` tells what this is.
         head = {k: d.pop(k) for k in ("format", "version", "backend", "payload", "num_samples")}
         return {**head, **d}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+        """The manifest file's text, sealed by its checksum (the last field)."""
+        d = self.to_dict()
+        d["checksum"] = manifest_checksum(json.loads(json.dumps(d)))  # as a reader will parse it
+        return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "manifest") -> Manifest:
@@ -125,12 +147,19 @@ class Manifest:
                 source_count=int(d.get("source_count", 0)),
                 source=str(d.get("source", "")),
                 index=_shard_entry(d["index"], where) if d.get("index") else None,
+                pack_id=_pack_id(d.get("pack_id"), where),
                 version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{where}: malformed manifest ({exc!r})") from exc
         if m.backend not in BACKENDS:
             raise FormatError(f"{where}: unknown backend {m.backend!r}")
+        if m.payload not in PAYLOADS:
+            raise FormatError(f"{where}: unknown payload {m.payload!r} (known: {', '.join(PAYLOADS)})")
+        names = [s.file for s in m.shards] + ([m.index.file] if m.index is not None else [])
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise FormatError(f"{where}: lists {dup!r} twice (a shard would be read as two); repack")
         if sum(s.num_samples for s in m.shards) != m.num_samples:
             raise FormatError(f"{where}: shard sample counts do not add up to num_samples")
         if m.index is not None and m.index.num_samples != m.num_samples:
@@ -138,12 +167,63 @@ class Manifest:
         return m
 
 
+def check_file_name(name: str, *, where: str) -> None:
+    """Refuse a shard or index file name that is not a plain file name inside the pack: a
+    manifest is data, and must not make a reader open ``../elsewhere`` or ``/etc/...``."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or os.path.isabs(name)):
+        raise FormatError(f"{where}: file name {name!r} is not a plain file name inside the pack; "
+                          "the manifest is damaged or was edited: repack")
+
+
+def _pack_id(v: Any, where: str) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{8,64}", v):
+        raise FormatError(f"{where}: malformed manifest (pack_id {v!r})")
+    return v
+
+
 def _shard_entry(s: dict[str, Any], where: str) -> ShardEntry:
     e = ShardEntry(**s)
     if not (isinstance(e.file, str) and isinstance(e.sha256, str)
             and type(e.num_samples) is int and type(e.bytes) is int):
         raise FormatError(f"{where}: malformed manifest (bad shard entry {s!r})")
+    check_file_name(e.file, where=where)
+    span = e.data_span
+    if not ((e.meta_xxh3 is None or (isinstance(e.meta_xxh3, str) and re.fullmatch(r"[0-9a-f]{16}", e.meta_xxh3)))
+            and (span is None or (len(span) == 2 and all(type(v) is int and v >= 0 for v in span)))):
+        raise FormatError(f"{where}: malformed manifest (bad shard entry {s!r})")
+    if e.num_samples < 0 or e.bytes < 0:
+        raise FormatError(f"{where}: malformed manifest (negative size in {s!r})")
     return e
+
+
+# What a manifest written before checksums can hold (every field but the checksum and pack id).
+_UNSEALED_FIELDS = {f.name for f in dataclasses.fields(Manifest)} - {"pack_id"} | {"class_to_idx"}
+
+
+def manifest_checksum(d: dict[str, Any]) -> str:
+    """``"xxh3:<hex>"`` of every field of a parsed manifest but ``"checksum"``, serialised
+    canonically (sorted keys, no whitespace, ASCII): covers what no other checksum does (class
+    names, source folder, skipped inputs, options, the shards' and index file's SHA-256), and
+    does not depend on how the file is indented."""
+    body = {k: v for k, v in d.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(text.encode("ascii"))
+
+
+def _check_sealed(d: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose content differs from what its checksum says. Manifests written
+    before checksums (no ``checksum``, no ``pack_id``, which came first, and only the fields
+    they knew) read unchecked; one with a pack id or a field this fastload does not know but
+    no checksum lost it (a damaged key, as ``"checksun"``) and is refused."""
+    found = d.get("checksum")
+    if "checksum" not in d and d.get("pack_id") is None and set(d) <= _UNSEALED_FIELDS:
+        return
+    if not isinstance(found, str) or found != manifest_checksum(d):
+        raise FormatError(f"{where}: manifest damaged or edited (its checksum does not match its content); "
+                          "run `fastload verify` on the pack, and repack or restore the file")
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
@@ -166,8 +246,10 @@ def read_manifest(path: Path) -> Manifest:
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}: manifest is not valid JSON ({exc})") from exc
-    return Manifest.from_dict(d, where=str(path))
+        raise FormatError(f"{path}: manifest is not valid JSON ({exc})") from None
+    m = Manifest.from_dict(d, where=str(path))  # structure first: its errors say what is wrong
+    _check_sealed(d, str(path))
+    return m
 
 
 def find_manifests(root: Path) -> list[Manifest]:
@@ -201,10 +283,34 @@ def find_manifests(root: Path) -> list[Manifest]:
             f"{'...' if len(missing) > 10 else ''}); run their `fastload pack --part I/{n}` jobs"
         )
     manifests = [read_manifest(found[i]) for i in range(n)]
-    first = manifests[0]
-    for m in manifests[1:]:
-        if (m.backend, m.payload, m.classes) != (first.backend, first.payload, first.classes):
+    for i, m in enumerate(manifests):
+        if m.part != i or m.parts != n:
+            raise FormatError(f"{found[i]}: says it is part {m.part} of {m.parts}, its name says {i} of {n}; "
+                              "the file was renamed or damaged: repack that part")
+        field_ = _parts_disagree(manifests[0], m) if i else None
+        if field_ is not None:
             raise FormatError(
-                f"{root}: parts were packed with different backend, payload or classes; repack them"
+                f"{found[0]} and {found[i]} disagree on {field_}: parts of different packs, or the source "
+                f"changed between the parts' runs; repack part {i} (or all parts) from the same source"
             )
     return manifests
+
+
+def _parts_disagree(a: Manifest, b: Manifest) -> str | None:
+    """What two parts of one pack differ on that every part must share (None: nothing): each
+    part maps its records onto the same class list, with the same codec and options, out of
+    the same listing of the source."""
+    if a.classes != b.classes:
+        shorter = min(len(a.classes), len(b.classes))
+        k = next((k for k, (x, y) in enumerate(zip(a.classes, b.classes)) if x != y), shorter)
+        x, y = (c[k] if k < len(c) else None for c in (a.classes, b.classes))
+        return f"the classes ({len(a.classes)} vs {len(b.classes)}; first difference at class {k}: {x!r} vs {y!r})"
+    for name in ("backend", "payload", "parts", "source_count", "format", "version"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x != y:
+            return f"{name} ({x!r} vs {y!r})"
+    # options that shape the records; the shard size only cuts them into files differently
+    x, y = ({k: v for k, v in m.options.items() if k != "shard_size"} for m in (a, b))
+    if x != y:
+        return f"options ({x!r} vs {y!r})"
+    return None

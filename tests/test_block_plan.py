@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.data.loader import DataLoader
-from fastload.data.plan import BlockShufflePlan, EpochPlan, shard_of
+from fastload.data.order import Order
+from fastload.data.plan import ORDER_VERSION, BlockShufflePlan, EpochPlan, shard_of
 
 from _data_helpers import Indices
 
@@ -23,7 +25,7 @@ layouts = st.lists(st.integers(0, 12), min_size=1, max_size=15).map(
 plans = st.fixed_dictionaries({
     "shard_starts": layouts, "window": st.integers(1, 5), "world_size": st.integers(1, 5),
     "batch_size": st.integers(1, 7), "drop_last": st.booleans(), "seed": st.integers(0, 2**31),
-    "shuffle": st.booleans(),
+    "shuffle": st.booleans(), "order_version": st.sampled_from([1, ORDER_VERSION]),
 })
 
 
@@ -92,6 +94,66 @@ def test_orders_differ_across_epochs_and_from_a_full_shuffle():
     whole = plan.replace(window=20)
     for e in range(3):
         assert not np.array_equal(whole.order(e), EpochPlan(1000, seed=7).order(e))
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=plans, epoch=st.integers(0, 30), data=st.data())
+def test_positions_batches_and_lazy_indices_are_slices_of_the_order(p, epoch, data):
+    plan = _block(p, rank=data.draw(st.integers(0, p["world_size"] - 1)))
+    n = plan.num_samples
+    order = plan.order(epoch)
+    if n:
+        pos = np.asarray(data.draw(st.lists(st.integers(0, 2 * n), max_size=30)), dtype=np.int64)
+        assert np.array_equal(plan.at(epoch, pos), order[pos % n])
+    start = data.draw(st.integers(0, n + 2))
+    idx = plan.indices(epoch, start, order=order)
+    assert np.array_equal(plan.indices(epoch, start), idx)
+    view = plan.indices_view(epoch, start)
+    assert np.array_equal(np.asarray(view), idx)
+    for b in range(plan.num_batches(start)):
+        assert np.array_equal(plan.batch_indices(epoch, b, start), plan.batch(idx, b))
+        assert np.array_equal(plan.batch(view, b), plan.batch(idx, b))
+
+
+def test_order_version_1_is_the_block_order_older_fastloads_drew():
+    plan = BlockShufflePlan(30, shard_starts=(0, 7, 7, 19, 30), window=2, seed=11, order_version=1)
+    assert plan.order(2).tolist() == [0, 1, 3, 2, 5, 4, 6, 29, 19, 12, 21, 27, 22, 14, 20, 18, 7, 13, 8, 25, 17,
+                                      24, 15, 10, 26, 16, 11, 9, 23, 28]  # fastload 0.2's order
+    new = plan.replace(order_version=ORDER_VERSION)
+    assert np.array_equal(new.shard_order(2), plan.shard_order(2)), "the same shard order; new within-window order"
+    assert not np.array_equal(new.order(2), plan.order(2))
+    assert EpochPlan(20, seed=4, order_version=1).order(1).tolist() == [4, 7, 11, 16, 17, 0, 5, 15, 12, 14, 18, 10,
+                                                                        1, 6, 2, 9, 13, 19, 3, 8]
+
+
+def test_each_window_is_shuffled_evenly():
+    """Over many seeds, each sample of a window lands in each quarter of the window's positions
+    about equally often (within 6 standard deviations of a fair 4-way draw)."""
+    starts = (0, 16, 32, 48, 64)  # one window of 4 shards
+    seeds = 1200
+    counts = np.zeros((64, 4), dtype=np.int64)
+    for seed in range(seeds):
+        order = BlockShufflePlan(64, shard_starts=starts, window=4, seed=seed).order(0)
+        counts[order, np.arange(64) // 16] += 1
+    assert np.abs(counts - seeds / 4).max() < 6 * np.sqrt(seeds * 0.25 * 0.75)
+
+
+@pytest.mark.timeout(60)
+def test_a_block_plan_of_a_trillion_samples_costs_its_shards_and_a_batch():
+    """The shard order is O(num_shards) once per epoch; a batch is O(batch): a trillion
+    samples in 10,000 shards hand out batches at once, each within at most two windows."""
+    starts = tuple(range(0, 10**12 + 1, 10**8))
+    plan = BlockShufflePlan(10**12, batch_size=256, world_size=8, rank=3, shard_starts=starts, window=4, seed=2)
+    for epoch in (0, 1):
+        for b in (0, 1, 10**6, plan.num_batches() - 1):
+            idx = plan.batch_indices(epoch, b)
+            assert len(idx) == 256 and len(set(idx.tolist())) == 256
+            shards = set(shard_of(idx, starts).tolist())
+            order = plan.shard_order(epoch).tolist()
+            windows = {order.index(k) // plan.window for k in shards}
+            assert len(windows) <= 2 and max(windows) - min(windows) <= 1
+        assert plan.shards_ahead(epoch, first_batch=5, batches=2) == _first_use(
+            shard_of(np.concatenate([plan.batch_indices(epoch, 5), plan.batch_indices(epoch, 6)]), starts))
 
 
 def test_the_layout_is_validated():
@@ -258,7 +320,15 @@ def test_check_resume_refuses_another_window_layout_or_order():
         full.check_resume(state)
     with pytest.raises(ValueError, match="plan"):  # a state from before plans were named was a full shuffle
         plan.check_resume({"epoch": 1, "batches": 2, "seed": 3, "num_samples": 30, "shuffle": True})
-    full.check_resume({"epoch": 1, "batches": 2, "seed": 3, "num_samples": 30, "shuffle": True})
+    # ... drawn by the old algorithm (order_version 1): a plan of that version finishes its epoch,
+    # today's refuses mid-epoch and accepts it at an epoch boundary
+    old = {"epoch": 1, "batches": 2, "seed": 3, "num_samples": 30, "shuffle": True}
+    full.replace(order_version=1).check_resume(old)
+    with pytest.raises(ValueError, match="order_version=1"):
+        full.check_resume(old)
+    full.check_resume({**old, "batches": 0})
+    with pytest.raises(ValueError, match="order_version"):
+        plan.replace(order_version=1).check_resume(state)
 
 
 # -- the real DataLoader with a BlockShufflePlan ---------------------------------------------
@@ -345,3 +415,43 @@ def test_the_dataloader_checks_the_plan_against_the_dataset_and_its_states():
     other = DataLoader(Indices(30), plan=plan.replace(window=2), num_workers=0, pin_memory=False)
     with pytest.raises(ValueError, match="window"):
         other.load_state_dict(loader.state_dict())
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Recording(BlockShufflePlan):
+    """A BlockShufflePlan that notes when it is asked to prepare an epoch, and after which batch."""
+
+    log: list = field(default_factory=list, compare=False, repr=False)
+
+    def prepare(self, epoch: int) -> None:
+        self.log.append(epoch)
+        super().prepare(epoch)
+
+
+def test_the_order_prepares_the_next_epoch_half_way_through_this_one():
+    """The shard layout of epoch e + 1 (O(num_shards)) is computed in the middle of epoch e,
+    not at its first batch; preparing changes no batch."""
+    starts = tuple(range(0, 401, 10))
+    plan = _Recording(400, batch_size=10, shard_starts=starts, window=4, seed=3)
+    want = [plan.batch_indices(e, b).tolist() for e in (0, 1) for b in range(plan.num_batches())]
+    order = Order(plan.replace(log=[]))
+    got, log_at = [], {}
+    for _ in range(2):
+        epoch, first, idx = order.begin()
+        for b in range(first, first + order.batches_left()):
+            got.append(order.batch(idx, b).tolist())
+            order.advance(epoch, b)
+            for e in order.plan.log:
+                log_at.setdefault(e, (epoch, b))
+        order.finish(epoch)
+    assert got == want
+    assert log_at == {1: (0, 20), 2: (1, 20)}  # 40 batches an epoch: after batch 20 of the one before
+    # resumed mid-epoch, the rest of the pass is halved
+    order = Order(plan.replace(log=[]))
+    order.load_state_dict({"epoch": 0, "position": 300, **plan.identity()})
+    epoch, first, idx = order.begin()
+    for b in range(order.batches_left()):
+        order.advance(epoch, b)
+        if order.plan.log:
+            break
+    assert (b, order.plan.log) == (5, [1])

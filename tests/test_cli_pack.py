@@ -279,7 +279,9 @@ def test_ctrl_c_cleans_up_and_rerun_resumes(big_src, tmp_path):
     args = ["--payload", "png", "--shard-size", "200K", "--workers", "2", "--format", "hdf5"]
     assert run_cli("pack", big_src, clean, *args, "-q").returncode == 0
     dest = tmp_path / "dest"
-    proc = _start(["pack", big_src, dest, *args])
+    # SIGINT restored to its default in the child: a shell's background job (`nohup ... &`)
+    # ignores it, and Python then installs no KeyboardInterrupt handler.
+    proc = _start(["pack", big_src, dest, *args], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for("shard-00001.h5", dest, proc)  # so shard 0 is surely in the journal
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

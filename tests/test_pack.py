@@ -375,6 +375,25 @@ def test_resume_restarts_when_a_packed_file_was_edited_in_place(tmp_path):
     np.testing.assert_array_equal(img, load_source(edited.read_bytes()))
 
 
+def test_resume_keeps_the_shards_before_a_file_edited_in_place(tmp_path):
+    """Files are checked per finished shard (no stat pass over the whole source before the
+    first image): an edit in shard 1 keeps shard 0 and repacks from shard 1 on."""
+    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
+    cfg = PackConfig(backend="lmdb", payload="png", workers=1, shard_size=5_000)
+    dest = tmp_path / "dest"
+    _pack_interrupted(src, dest, cfg, after_shards=2)
+    journal = json.loads((dest / journal_name(0, 1)).read_text())
+    first_of_shard_1 = scan_source(src)[1][journal["ends"][0]]
+    edited = src / first_of_shard_1
+    st = edited.stat()
+    save(Image.fromarray(gradient(24, 32, seed=998)), edited, quality=90)
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    s = pack(src, dest, config=cfg)
+    assert s.resumed_from == journal["ends"][0] and s.resumed_shards == 1
+    pack(src, tmp_path / "clean", config=cfg)
+    assert tree_bytes(dest) == tree_bytes(tmp_path / "clean")
+
+
 def test_resume_after_options_change_restarts(tmp_path):
     src = make_jpeg_tree(tmp_path / "src", classes=1, per_class=6)
     dest = tmp_path / "dest"
@@ -401,10 +420,13 @@ def test_resume_drops_a_damaged_finished_shard(tmp_path):
     m = read_manifest(dest / "manifest.json")
     assert len(m.shards) >= 3
     ends = list(np.cumsum([e.num_samples for e in m.shards]))
+    listing = packmod.list_source(src)
+    stamps = [packmod.stamps_digest(packmod.file_stamp(listing.resolve(listing.relpaths[i])) for i in range(lo, hi))
+              for lo, hi in [(0, int(ends[0])), (int(ends[0]), int(ends[1]))]]
     packmod._write_journal(dest / journal_name(0, 1), {
-        "key": packmod._source_key(cfg, packmod.list_source(src)),
+        "key": packmod._source_key(cfg, listing),
         "shards": [e.__dict__ for e in m.shards[:2]], "ends": [int(x) for x in ends[:2]],
-        "skipped": [], "shapes": [[24, 32, 3], [24, 32, 3]],
+        "skipped": [], "shapes": [[24, 32, 3], [24, 32, 3]], "stamps": stamps,
     })
     (dest / "manifest.json").unlink()
     p = dest / m.shards[1].file
@@ -427,3 +449,18 @@ def test_pack_config_rejects_bad_values():
         with pytest.raises(ValueError, match=msg):
             PackConfig(**kw)
     assert PackConfig(on_error="fail").on_error is OnError.FAIL
+
+
+def test_scan_skips_are_listed_once_by_part_0_of_a_parted_pack(tmp_path):
+    src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=3)
+    os.symlink(".", src / "c0" / "loop")  # a link loop: listed as skipped, walked once
+    (src / "stray.jpg").write_bytes(b"x")  # outside any class folder
+    dest = tmp_path / "out"
+    for part in (0, 1):
+        pack(src, dest, config=PackConfig(workers=1, part=part, parts=2))
+    from fastload.schema import manifest_name, read_manifest
+
+    m0, m1 = (read_manifest(dest / manifest_name(p, 2)) for p in (0, 1))
+    assert sorted(s.path for s in m0.skipped) == ["c0/loop/", "stray.jpg"] and m1.skipped == ()
+    assert m0.num_samples + m1.num_samples == 6
+    assert len(open_pack(dest)) == 6

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 import fastload.transforms as T
 from fastload.data.dataset import ImageFolder
 from fastload.data.loader import DataLoader
-from fastload.data.plan import EpochPlan
+from fastload.data.order import Order
+from fastload.data.plan import ORDER_VERSION, EpochPlan, RankIndices
 from fastload.data.sampler import DistributedEpochSampler
 from fastload.train import check_batch_geometry
 
@@ -45,6 +46,7 @@ def _run(loader, limit: int | None = None) -> list[list[int]]:
 plans = st.fixed_dictionaries({
     "num_samples": st.integers(0, 90), "world_size": st.integers(1, 5), "batch_size": st.integers(1, 9),
     "drop_last": st.booleans(), "seed": st.integers(0, 2**31), "shuffle": st.booleans(),
+    "order_version": st.sampled_from([1, ORDER_VERSION]),  # the dealing holds under either order
 })
 
 
@@ -85,8 +87,11 @@ def test_every_loader_yields_the_plans_batches(p, epoch):
     n, w = p["num_samples"], p["world_size"]
     for r in range(w):
         plan = EpochPlan(rank=r, **p)
-        loader = DataLoader(Indices(n), p["batch_size"], num_workers=0, distributed=(r, w), seed=p["seed"],
-                            shuffle=p["shuffle"], drop_last=p["drop_last"], pin_memory=False)
+        if p["order_version"] == ORDER_VERSION:
+            loader = DataLoader(Indices(n), p["batch_size"], num_workers=0, distributed=(r, w), seed=p["seed"],
+                                shuffle=p["shuffle"], drop_last=p["drop_last"], pin_memory=False)
+        else:
+            loader = DataLoader(Indices(n), plan=plan, num_workers=0, pin_memory=False)
         assert len(loader) == plan.num_batches() == loader.batches_left()
         loader.set_epoch(epoch)
         got = _run(loader)
@@ -96,6 +101,8 @@ def test_every_loader_yields_the_plans_batches(p, epoch):
                                           drop_last=p["drop_last"])
         sampler.set_epoch(epoch)
         assert len(sampler) == plan.replace(batch_size=1).num_batches()
+        if p["order_version"] == ORDER_VERSION:
+            assert list(sampler) == plan.replace(batch_size=1).indices(epoch).tolist()
 
 
 @settings(max_examples=25, deadline=None)
@@ -239,18 +246,42 @@ def test_elastic_resume_with_worker_processes_serves_the_same_pixels(aug_pack, w
         EpochPlan(n, batch_size=5, world_size=w2, rank=r).num_padded(position) for r in range(w2))
 
 
+OLD_STATE = {"epoch": 2, "batches": 2, "seed": 3, "batch_size": 4, "num_samples": 30, "world_size": 2, "rank": 1,
+             "shuffle": True, "drop_last": False}  # fastload <= 0.1: batches per rank, order version 1
+
+
 def test_old_per_rank_batch_states_still_load():
-    """A state saved before positions were global (epoch + batches per rank) resumes at the same place."""
-    loader = DataLoader(Indices(30), 4, num_workers=0, distributed=(1, 2), seed=3, pin_memory=False)
-    loader.load_state_dict({"epoch": 2, "batches": 2, "seed": 3, "batch_size": 4, "num_samples": 30,
-                            "world_size": 2, "rank": 1, "shuffle": True, "drop_last": False})
-    plan = EpochPlan(30, batch_size=4, seed=3, rank=1, world_size=2)
+    """A state saved before positions were global (epoch + batches per rank) and before the
+    pointwise order resumes at the same place in the order it was saved under (order_version=1),
+    the very permutation fastload <= 0.2 drew."""
+    plan = EpochPlan(30, batch_size=4, seed=3, rank=1, world_size=2, order_version=1)
+    loader = DataLoader(Indices(30), plan=plan, num_workers=0, pin_memory=False)
+    loader.load_state_dict(OLD_STATE)
+    legacy = np.random.default_rng([3, 2]).permutation(30)
+    assert plan.indices(2).tolist() == legacy[1::2].tolist()  # rank 1 of 2: odd positions
     assert sum(_run(loader), []) == plan.indices(2)[8:].tolist()
+    assert loader.epoch == 3
+    assert sum(_run(loader), []) == plan.indices(3).tolist()
+
+
+def test_an_old_order_state_is_refused_mid_epoch_and_accepted_at_an_epoch_boundary():
+    loader = DataLoader(Indices(30), 4, num_workers=0, distributed=(1, 2), seed=3, pin_memory=False)
+    with pytest.raises(ValueError, match=r"mid-epoch under order_version=1 .*order_version=1\), or restart"):
+        loader.load_state_dict(OLD_STATE)
+    with pytest.raises(ValueError, match="order_version=1"):
+        loader.load_state_dict({"order": {**loader.state_dict()["order"], "order_version": 1, "position": 8}})
+    loader.load_state_dict({**OLD_STATE, "batches": 0})  # nothing of epoch 2 read: any order covers it
+    assert sum(_run(loader), []) == loader.plan.indices(2).tolist()
+    finished = {**OLD_STATE, "batches": 4}  # every batch of epoch 2 read: the next epoch starts afresh
+    loader.load_state_dict(finished)
+    assert _run(loader) == [] and loader.epoch == 3
+    assert sum(_run(loader), []) == loader.plan.indices(3).tolist()
 
 
 def test_a_state_from_another_order_is_refused():
     a = DataLoader(Indices(30), 4, num_workers=0, seed=3, pin_memory=False)
-    for change in ({"seed": 4}, {"num_samples": 31}, {"shuffle": False}, {"plan": "block-shuffle"}):
+    for change in ({"seed": 4}, {"num_samples": 31}, {"shuffle": False}, {"plan": "block-shuffle"},
+                   {"order_version": 1, "position": 8}):  # another algorithm's order: refused mid-epoch
         state = a.state_dict()
         state["order"].update(change)
         with pytest.raises(ValueError, match=next(iter(change))):
@@ -301,3 +332,109 @@ def test_real_torchrun_trainer_checkpointed_on_two_ranks_finishes_the_epoch_on_o
     assert rest["world_size"] == 1 and rest["completed"] and rest["epoch_after"] == 1
     assert rest["samples"] == n - first["samples"]  # one rank: no padding, every image once
     assert rest["steps"] == -(-(n - first["samples"]) // 64) and rest["total_steps"] == 2 + rest["steps"]
+
+
+# -- the order, computed a batch at a time --------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=plans, epoch=st.integers(0, 30), data=st.data())
+def test_lazy_indices_batches_and_positions_equal_the_arrays(p, epoch, data):
+    """Every way of asking for part of the order (at, take, batch_indices, indices_view) gives
+    exactly the slice of the whole arrays it stands for."""
+    plan = EpochPlan(rank=data.draw(st.integers(0, p["world_size"] - 1)), **p)
+    n = plan.num_samples
+    order = plan.order(epoch)
+    assert order.dtype == np.int64 and sorted(order.tolist()) == list(range(n))
+    start = data.draw(st.integers(0, n + 3))
+    idx = plan.indices(epoch, start)
+    assert np.array_equal(idx, plan.indices(epoch, start, order=order))
+    view = plan.indices_view(epoch, start)
+    assert isinstance(view, RankIndices) and len(view) == len(idx) == plan.samples_per_rank(start)
+    assert np.array_equal(np.asarray(view), idx) and view.tolist() == idx.tolist() == list(view)
+    a, b = data.draw(st.integers(-3, len(idx) + 3)), data.draw(st.integers(-3, len(idx) + 3))
+    step = data.draw(st.sampled_from([None, 1, 2, -1]))
+    assert np.array_equal(view[a:b:step], idx[a:b:step])
+    assert np.array_equal(plan.take(epoch, a, b, start), idx[max(a, 0) : max(b, 0)])
+    if len(idx):
+        i = data.draw(st.integers(-len(idx), len(idx) - 1))
+        assert view[i] == idx[i]
+    with pytest.raises(IndexError):
+        view[len(idx)]
+    for bno in range(plan.num_batches(start) + 1):
+        assert np.array_equal(plan.batch_indices(epoch, bno, start), plan.batch(idx, bno))
+        assert np.array_equal(plan.batch(view, bno), plan.batch(idx, bno))
+    if n:
+        pos = np.asarray(data.draw(st.lists(st.integers(0, 3 * n), max_size=20)), dtype=np.int64)
+        assert np.array_equal(plan.at(epoch, pos), order[pos % n])
+
+
+def test_order_version_1_is_the_permutation_older_fastloads_drew():
+    for n, seed, epoch in ((30, 3, 2), (1000, 7, 0), (1, 0, 5)):
+        plan = EpochPlan(n, seed=seed, order_version=1)
+        want = np.random.default_rng([seed, epoch]).permutation(n)
+        assert np.array_equal(plan.order(epoch), want)
+        assert np.array_equal(plan.replace(world_size=3, rank=2).indices(epoch), np.resize(want, n + 2)[2::3])
+    # version 2 is another order (the test pins it); shuffle=False is 0..N-1 in both
+    assert not np.array_equal(EpochPlan(1000, seed=7).order(0), EpochPlan(1000, seed=7, order_version=1).order(0))
+    assert EpochPlan(10, seed=0).order(0).tolist() == [5, 2, 4, 7, 3, 9, 1, 6, 8, 0]
+    for version in (1, ORDER_VERSION):
+        assert EpochPlan(5, shuffle=False, order_version=version).order(3).tolist() == [0, 1, 2, 3, 4]
+    for bad in (0, 3, 1.0, True):
+        with pytest.raises(ValueError, match="order_version"):
+            EpochPlan(5, order_version=bad)
+
+
+def test_epochs_and_seeds_give_different_orders():
+    orders = {EpochPlan(1000, seed=s).order(e).tobytes() for s in range(4) for e in range(4)}
+    assert len(orders) == 16
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_of_a_trillion_samples_starts_at_the_cost_of_a_batch():
+    """Nothing is O(N): a plan, an Order, the torch sampler and fastload's DataLoader (per-sample
+    path) over 10**12 samples hand out batches at once (a permutation of them could not even be
+    allocated), and the next epoch's first batch is as cheap as any other."""
+    n = 10**12
+    plan = EpochPlan(n, batch_size=64, seed=1, world_size=8, rank=5)
+    first = plan.batch_indices(3, 0)
+    assert len(first) == 64 and len(set(first.tolist())) == 64 and ((first >= 0) & (first < n)).all()
+    assert np.array_equal(plan.at(3, 5 + 8 * np.arange(64)), first)
+    last = plan.num_batches() - 1
+    assert len(plan.batch_indices(3, last)) == plan.batch_len(last)
+    order = Order(plan)
+    order.set_epoch(3)
+    epoch, b, view = order.begin()
+    assert (epoch, b, len(view)) == (3, 0, plan.samples_per_rank())
+    assert np.array_equal(order.batch(view, 0), first)
+    sampler = DistributedEpochSampler(n, seed=1, world_size=8, rank=5)
+    sampler.set_epoch(3)
+    it = iter(sampler)
+    assert [next(it) for _ in range(64)] == first.tolist()
+    state = sampler.state_dict()
+    again = DistributedEpochSampler(n, seed=1, world_size=8, rank=5)
+    again.load_state_dict(state)
+    assert next(iter(again)) == plan.batch_indices(3, 1)[0]
+    loader = DataLoader(Indices(n), plan=plan, num_workers=0, pin_memory=False)
+    loader.set_epoch(3)
+    got = _run(loader, 2)
+    assert got == [first.tolist(), plan.batch_indices(3, 1).tolist()]
+    state = loader.state_dict()
+    assert state["order"]["position"] == 2 * 64 * 8
+    loader.load_state_dict({"order": {**state["order"], "position": plan.consumed(last)}})  # the last batch
+    assert _run(loader) == [plan.batch_indices(3, last).tolist()]
+    assert loader.epoch == 4 and _run(loader, 1) == [plan.batch_indices(4, 0).tolist()]
+
+
+def test_a_plan_pickles_without_its_per_epoch_cache():
+    import pickle
+
+    plan = EpochPlan(1000, batch_size=8, seed=2)
+    first = plan.batch_indices(3, 1)
+    legacy = plan.replace(order_version=1)
+    legacy.order(3)  # caches the whole order of epoch 3
+    for p in (plan, legacy):
+        copy = pickle.loads(pickle.dumps(p))
+        assert copy == p and "_epoch_memo" not in copy.__dict__
+        assert len(pickle.dumps(p)) < 1000
+    assert np.array_equal(pickle.loads(pickle.dumps(plan)).batch_indices(3, 1), first)

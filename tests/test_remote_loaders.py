@@ -41,7 +41,7 @@ needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not instal
 BACKENDS = ["cpu", pytest.param("dali", marks=needs_dali)]
 N = 18  # samples (= classes) in each pack
 CFG = {
-    "jpeg": dict(payload="jpeg", shard_size=3000),  # 8 shards
+    "jpeg": dict(payload="jpeg", shard_size=3000),  # many small shards
     "raw": dict(payload="raw", size=(32, 32), backend="hdf5", shard_size=8000),
 }
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train.py"
@@ -199,7 +199,8 @@ def test_make_loader_over_a_url_equals_the_local_loader(local_packs, remote_pack
     passed = pack.store.retry_seconds  # the option reached the store (a setting, not a timing)
     assert passed == 5.0
     cache = pack.cache
-    assert cache.stats().shards == 8 and cache.limit_bytes == 10**7 and cache.directory == tmp_path / "cache"
+    assert cache.stats().shards == len(open_pack(local_packs["jpeg"]).shard_entries) > 1
+    assert cache.limit_bytes == 10**7 and cache.directory == tmp_path / "cache"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastload.data.order import Order
 from fastload.data.plan import EpochPlan
 from fastload.data.sampler import DistributedEpochSampler, epoch_indices
 
@@ -126,3 +127,32 @@ def test_real_torchrun_two_ranks_cover_the_dataset(tmp_path):
         assert np.array_equal(r0[epoch], epoch_indices(n, seed=3, epoch=epoch, rank=0, world_size=2))
         assert np.array_equal(r1[epoch], epoch_indices(n, seed=3, epoch=epoch, rank=1, world_size=2))
     assert not np.array_equal(r0[0], r0[1])
+
+
+def test_sampler_iterates_and_resumes_across_its_chunks():
+    """The sampler computes the order a chunk at a time: the stream, and a resume in the middle
+    of a chunk or right at its end, match the whole epoch's indices."""
+    n, world = 20_000, 2
+    want = epoch_indices(n, seed=9, epoch=4, rank=1, world_size=world).tolist()
+    for stop in (1, 4095, 4096, 4097, 9999):
+        s = DistributedEpochSampler(n, seed=9, rank=1, world_size=world)
+        s.set_epoch(4)
+        it = iter(s)
+        seen = [next(it) for _ in range(stop)]
+        restarted = DistributedEpochSampler(n, seed=9, rank=1, world_size=world)
+        restarted.load_state_dict(s.state_dict())
+        assert seen + list(restarted) == want
+    assert list(s) == epoch_indices(n, seed=9, epoch=4, rank=1, world_size=world).tolist()[stop:]
+
+
+def test_a_sampler_state_from_the_old_order_finishes_its_epoch_under_that_order():
+    """A state saved by fastload <= 0.2 (order_version 1, the full permutation) mid-epoch is refused
+    with a message naming order_version; a plan of that version resumes it exactly."""
+    s = DistributedEpochSampler(100, seed=2)
+    old = {"order": {**s.state_dict()["order"], "position": 30}}
+    del old["order"]["order_version"]
+    with pytest.raises(ValueError, match="order_version=1"):
+        s.load_state_dict(old)
+    order = Order(EpochPlan(100, seed=2, order_version=1))
+    order.load_state_dict(old, what="sampler")
+    assert np.asarray(order.begin()[2]).tolist() == np.random.default_rng([2, 0]).permutation(100)[30:].tolist()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fastload.errors import FormatError
-from fastload.schema import Manifest, manifest_name, shard_name, write_manifest
+from fastload.schema import Manifest, manifest_checksum, manifest_name, shard_name, write_manifest
 from fastload.storage import StringTable, make_shard_reader, make_shard_writer, open_pack
 
 BACKENDS = ("lmdb", "hdf5")
@@ -219,7 +219,7 @@ def test_index_file_round_trip_is_memory_mapped_and_checked(tmp_path):
 
 def test_packs_carry_an_index_file_that_readers_and_verify_use(tmp_path):
     from fastload.commands.verify import verify_pack
-    from fastload.storage import open_pack
+    from fastload.storage import ShardIndex, open_pack
     from fastload.storage.index_file import write_index_file
 
     src = tmp_path / "src"
@@ -240,11 +240,13 @@ def test_packs_carry_an_index_file_that_readers_and_verify_use(tmp_path):
     # an index file that disagrees with the shards (same size and checksum recorded) is caught
     bad = r.index
     size, digest = write_index_file(tmp_path / "p" / "index.fli",
-                                    type(bad)(np.asarray(bad.labels)[::-1].copy(), np.asarray(bad.shapes), bad.paths))
+                                    ShardIndex(np.asarray(bad.labels)[::-1].copy(), np.asarray(bad.shapes), bad.paths,
+                                               np.asarray(bad.checksums)), pack_id=r.manifests[0].pack_id)
     import json
 
     m = json.loads((tmp_path / "p" / "manifest.json").read_text())
     m["index"].update(bytes=size, sha256=digest)
+    m["checksum"] = manifest_checksum(m)
     (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
     problems, _ = verify_pack(tmp_path / "p")
     assert len(problems) == 1 and "index file does not match" in problems[0]

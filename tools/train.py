@@ -30,24 +30,35 @@ import sys
 import time
 from pathlib import Path
 
-from fastload.commands import add_remote_args, remote_kwargs
+from fastload.commands import add_remote_args, location, remote_kwargs
 from fastload.storage.remote import is_url
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except where there is none to show (None, a
+    flag's False, "") or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == "" \
+                or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", metavar="DIR", help="folder (or URL prefix: s3://bucket/prefix) with train/ and val/ "
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpWithDefaults)
+    p.add_argument("data", metavar="DIR", type=location, help="folder (or URL prefix: s3://bucket/prefix) with train/ and val/ "
                    "packed datasets")
     p.add_argument("-a", "--arch", default="resnet18",
                    help="model: a torchvision name when torchvision is importable, else small_cnn, resnet_small, "
                         "resnet18, resnet50 (default resnet18)")
-    p.add_argument("--epochs", type=int, default=90)
+    p.add_argument("--epochs", type=int, default=90, help="epochs to train")
     p.add_argument("-b", "--batch-size", type=int, default=256, help="images per process per micro-batch")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (SGD, cosine decay)")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", help="SGD weight decay")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up before the cosine decay")
-    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
     p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="autocast precision")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
     p.add_argument("--backend", choices=("cpu", "dali"), default="cpu",
@@ -67,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=Path("checkpoint.pt"), help="where to save after every epoch")
     p.add_argument("--resume", type=Path, default=None, help="continue from this checkpoint")
     p.add_argument("-e", "--evaluate", action="store_true", help="only evaluate (with --resume weights)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the order and the augmentation")
     p.add_argument("-p", "--print-freq", type=int, default=0, help="optimizer steps between progress lines")
     p.add_argument("--deterministic", action="store_true", help="deterministic kernels (slower)")
     add_remote_args(p)

@@ -22,8 +22,9 @@ def as_u8(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
-    """Decode any OpenCV-readable image to HWC uint8 RGB (EXIF orientation applied)."""
+def imdecode_rgb(buf, *, reduce: int = 1, orientation: bool = True) -> np.ndarray:
+    """Decode any OpenCV-readable image to HWC uint8 RGB (EXIF orientation applied unless
+    ``orientation=False``: then the pixels as coded, for a caller that turns them itself)."""
     if reduce not in _REDUCE_BITS:
         raise ValueError(f"reduce must be one of 1, 2, 4, 8, got {reduce}")
     arr = as_u8(buf)
@@ -33,13 +34,13 @@ def imdecode_rgb(buf, *, reduce: int = 1) -> np.ndarray:
         # Only JPEG has a DCT-domain downscale; for other formats OpenCV's reduced read is a
         # resize after decoding, and for TIFF it skips the EXIF orientation. Decode (oriented)
         # at full size and shrink here: same cost, and the shape always matches the index.
-        return shrink(imdecode_rgb(arr), reduce)
+        return shrink(imdecode_rgb(arr, orientation=orientation), reduce)
+    extra = _REDUCE_BITS[reduce] | (0 if orientation else cv2.IMREAD_IGNORE_ORIENTATION)
     try:
         if _HAS_RGB_FLAG:
-            flags = cv2.IMREAD_COLOR_RGB | _REDUCE_BITS[reduce]
-            img = cv2.imdecode(arr, flags)
+            img = cv2.imdecode(arr, cv2.IMREAD_COLOR_RGB | extra)
         else:  # pragma: no cover - OpenCV < 4.10
-            img = cv2.imdecode(arr, cv2.IMREAD_COLOR | _REDUCE_BITS[reduce])
+            img = cv2.imdecode(arr, cv2.IMREAD_COLOR | extra)
             if img is not None:
                 img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     except cv2.error as exc:

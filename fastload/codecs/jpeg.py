@@ -72,7 +72,9 @@ def decode(
 
 
 def _decode_cv2(buf, reduce: int, fast: bool = False) -> np.ndarray:
-    return imdecode_rgb(buf, reduce=reduce)
+    # As coded, like every other backend (none of them reads EXIF): a caller that wants an
+    # original JPEG upright turns it by fastload.image.jpeg_info's orientation, once.
+    return imdecode_rgb(buf, reduce=reduce, orientation=False)
 
 
 def _decode_simplejpeg(buf, reduce: int, fast: bool = False) -> np.ndarray:
@@ -121,11 +123,18 @@ def _decode_pil(buf, reduce: int, fast: bool = False) -> np.ndarray:
     data = bytes(as_u8(buf))
     try:
         img = Image.open(io.BytesIO(data))
+        want = (-(-img.height // reduce), -(-img.width // reduce))  # libjpeg's 1/reduce size
         if reduce != 1:
-            img.draft("RGB", (-(-img.width // reduce), -(-img.height // reduce)))
-        return np.asarray(img.convert("RGB"))
+            # Pillow picks the largest libjpeg scale 1/a with a <= min(size // requested): asking
+            # for the floored size makes that 1/reduce exactly (the ceiled size gave 1/2 where
+            # 1/4 was asked for), so the decode has the shape every other backend gives.
+            img.draft("RGB", (max(1, img.width // reduce), max(1, img.height // reduce)))
+        out = np.asarray(img.convert("RGB"))
     except Exception as exc:
         raise DecodeError(f"PIL could not decode a {len(data)}-byte payload: {exc}") from None
+    if out.shape[:2] != want:  # a side shorter than ``reduce``: Pillow scales both axes alike
+        out = cv2.resize(out, (want[1], want[0]), interpolation=cv2.INTER_AREA)
+    return out
 
 
 def _decode_turbo_crop(buf, reduce: int, fast: bool = False) -> np.ndarray:

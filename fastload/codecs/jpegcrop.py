@@ -122,8 +122,9 @@ def decode_crop(buf, box: tuple[int, int, int, int] | None = None, *, reduce: in
 
 
 def _fallback(data: np.ndarray, reduce: int) -> np.ndarray:
-    """OpenCV for what the extension refuses (CMYK and YCCK JPEGs)."""
-    return imdecode_rgb(data, reduce=reduce)
+    """OpenCV for what the extension refuses (CMYK and YCCK JPEGs), as coded like the
+    extension's output (no EXIF turn: the caller applies orientation, once)."""
+    return imdecode_rgb(data, reduce=reduce, orientation=False)
 
 
 def decode(buf, reduce: int = 1, fast: bool = False) -> np.ndarray:

@@ -8,15 +8,34 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 
 # Order is the order in `fastload --help`.
-COMMANDS = ("pack", "inspect", "verify", "demo", "bench")
+COMMANDS = ("pack", "inspect", "verify", "demo", "bench", "info")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:
     """Add every sub-command's parser to ``subparsers``, in :data:`COMMANDS` order."""
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).register(subparsers)
+
+
+def location(text: str) -> str:
+    """An argparse ``type`` for SRC/DEST: a local path or a URL fastload can use, as typed.
+
+    ``ftp://x/y`` or ``hdfs://...`` would otherwise be taken for a relative local path (and
+    ``fastload pack`` would create a folder named ``ftp:``): refuse such schemes up front.
+    """
+    m = _URL.match(text)
+    if m and m.group(1).lower() != "file":
+        from ..storage.remote import URL_SCHEMES
+
+        if m.group(1).lower() not in URL_SCHEMES:
+            raise argparse.ArgumentTypeError(
+                f"{text}: fastload does not support {m.group(1)}:// URLs; use a local path, file://, "
+                "s3://, gs:// or az://")
+    return text
 
 
 def add_remote_args(p: argparse.ArgumentParser, *, cache: bool = True) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..config import usable_cpus
+from . import location
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def register(subparsers) -> None:
         description="Measure fastload's DataLoader on DEST across num_workers and batch sizes, print a table and "
                     "recommend num_workers, batch size and payload.",
     )
-    p.add_argument("dest", type=Path, metavar="DEST", help="a packed dataset (output of fastload pack)")
+    p.add_argument("dest", type=location, metavar="DEST", help="a packed dataset (output of fastload pack)")
     p.add_argument("--workers", type=_int_list, default=None,
                    help=f"comma-separated num_workers values (default: {','.join(map(str, default_workers()))})")
     p.add_argument("--batch-sizes", type=_int_list, default=[64, 256], help="comma-separated (default 64,256)")
@@ -80,7 +82,7 @@ def register(subparsers) -> None:
     p.add_argument("--decoder", default="auto", help="JPEG decoder: auto, turbo-crop, cv2, simplejpeg, jpeg4py, pil")
     p.add_argument("--plot", type=Path, default=None, help="save images/s vs workers to this PNG (needs matplotlib)")
     p.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the results as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
     p.set_defaults(run=run)
 
 
@@ -268,7 +270,9 @@ def run(args: argparse.Namespace) -> int:
           f">= {args.seconds:g} s per setting")
     cost = payload_cost(ds)
     points: list[BenchPoint] = []
-    bar = tqdm(configs, desc="bench", unit="setting", disable=args.no_progress)
+    # Like `fastload pack`: no bar (and no carriage returns) in a log file or a pipe.
+    bar = tqdm(configs, desc="bench", unit="setting", file=sys.stderr,
+               disable=args.no_progress or not sys.stderr.isatty())
     for w, b in bar:
         bar.set_postfix_str(f"workers={w} batch={b}")
         points.append(measure(ds, workers=w, batch_size=b, batches=args.batches, warmup=args.warmup,
@@ -287,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
     if "resize" in rec:
         print(f"recommended: resize={rec['resize']} ({rec['why_resize']})")
     if args.plot is not None:
-        plot(points, args.plot, title=f"fastload loader on {args.dest.name}")
+        plot(points, args.plot, title=f"fastload loader on {Path(args.dest).name}")
         print(f"plot: {args.plot}")
     if args.json_out is not None:
         doc = {"dest": str(args.dest), "images": len(ds), "crop": args.crop,

@@ -5,13 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _hw(text: str) -> tuple[int, int]:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT like 320x240, got {text!r}") from None
-    return h, w
+from .pack import parse_hw  # one size syntax for every command: HxW, as torch orders it
 
 
 def register(subparsers) -> None:
@@ -29,7 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--classes", type=int, help="number of classes (default 8)")
     p.add_argument("--per-class", type=int, dest="train_per_class", help="training images per class (default 250)")
     p.add_argument("--val-per-class", type=int, help="held-out images per class (default 50)")
-    p.add_argument("--image-size", type=_hw, help="generated JPEG size WxH (default 500x375)")
+    p.add_argument("--image-size", type=parse_hw, metavar="HxW",
+                   help="generated JPEG size, height x width (default 375x500; one in four is portrait)")
     p.add_argument("--crop", type=int, help="training resolution (default 64)")
     p.add_argument("--epochs", type=int, help="training epochs (default 4)")
     p.add_argument("--batch-size", type=int, help="batch size (default 64)")

@@ -1,9 +1,10 @@
 """``ImageFolder``: a map-style Dataset over a packed directory, a swap-in for torchvision's.
 
-Index data (labels, stored shapes) lives in numpy arrays and the record paths in one
-StringTable, so a dataset pickles small and DataLoader workers do not grow their memory by
-touching Python objects (copy-on-read). No file is opened until a worker reads a record; the
-shard readers reopen after fork.
+The index (labels, stored shapes, record paths) is read from memory maps of the pack's index
+files (:class:`~fastload.storage.pack_index.PackIndex`): one physical copy per node however
+many workers and ranks read it and however they were started, a pickle that carries only the
+files' paths, and paths decoded one at a time when asked for. No shard is opened until a worker
+reads a record; the shard readers reopen after fork.
 
 Fastload transforms (``fastload.transforms``) are planned from the stored shape before the
 record is decoded: that picks a DCT-domain downscaled JPEG decode when the crop is at least
@@ -14,6 +15,7 @@ slot of a batch buffer. Each sample's randomness comes from ``(seed, epoch, inde
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import functools
 import hashlib
@@ -27,11 +29,14 @@ import numpy as np
 from ..codecs import get_codec
 from ..codecs import jpeg as _jpeg
 from ..codecs import jpegcrop as _jpegcrop
-from ..errors import DecodeError, FastloadError, FormatError
+from ..errors import CorruptRecordError, DecodeError, FastloadError, FormatError, warn_not_built
+from ..image import JpegInfo, coded_box, jpeg_info, orient, shape_problem
 from ..storage import PackReader, open_pack
 from ..storage.remote import is_url
+from . import resize as _resize
 from .draws import SUBSTITUTE_CANDIDATES, BatchDraws, SampleDraws, substitute_index
 from .protocols import Replacement, on_error_skips
+from .shm import UnsafeShmError, check_private_dir, make_owned_dir, on_terminate, remove_stale
 from .transforms import Compose, Normalize, Plan, ToTensor, Transform, as_compose, fixed_output_hw
 
 IMAGE_TYPES = ("numpy", "tensor", "pil")
@@ -44,7 +49,7 @@ _AUTO_ORDER = ("turbo-crop", "simplejpeg", "cv2", "jpeg4py", "pil")
 
 class SampleList(Sequence):
     """``samples`` of an ImageFolder: ``(path, class_index)`` pairs built on access from the
-    pack's StringTable and label array (no list of tuples held in memory)."""
+    pack's mapped index (no list of tuples, nor of paths, held in memory)."""
 
     def __init__(self, dataset: ImageFolder):
         self._ds = dataset
@@ -55,18 +60,84 @@ class SampleList(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
-        return self._ds.path(i), int(self._ds.targets[i])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for a dataset of {n}")
+        return self._ds.path(i), int(self._ds._labels[i])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
         return f"<SampleList of {len(self)} (path, class_index) pairs>"
+
+
+class TargetList(Sequence):
+    """``targets`` of an ImageFolder: torchvision's list of class indices, over the pack's label
+    array (a list of Python ints would be copied into every worker's memory on touch).
+
+    It behaves as the list does: items and iteration are Python ints, slices and ``+`` give
+    lists, ``count``/``index``/``in`` work, and it equals a list with the same ints.
+    ``np.asarray(targets)`` is the int64 array itself (no copy), for vectorised code.
+    """
+
+    __slots__ = ("_labels",)
+    __hash__ = None  # a list is unhashable too
+
+    def __init__(self, labels: np.ndarray):
+        self._labels = labels
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._labels[i].tolist()
+        return int(self._labels[i])
+
+    def __iter__(self):
+        return iter(self._labels.tolist())
+
+    def __contains__(self, value) -> bool:
+        return bool(np.any(self._labels == value))
+
+    def count(self, value) -> int:
+        return int(np.count_nonzero(self._labels == value))
+
+    def index(self, value, start: int = 0, stop: int | None = None) -> int:
+        hits = np.flatnonzero(self._labels[start:stop] == value)
+        if not len(hits):
+            raise ValueError(f"{value!r} is not in targets")
+        return start + int(hits[0]) if start >= 0 else int(hits[0]) + len(self._labels) + start
+
+    def tolist(self) -> list[int]:
+        return self._labels.tolist()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        labels = np.asarray(self._labels)  # a multi-part pack's PartedArray concatenates here
+        return labels if dtype is None else labels.astype(dtype, copy=False)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (TargetList, list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    def __add__(self, other) -> list[int]:
+        return self.tolist() + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + self.tolist()
+
+    def __repr__(self) -> str:
+        return f"<TargetList of {len(self)} class indices>"
 
 
 class ImageFolder:
     """A packed image folder (LMDB or HDF5, every ``--part``) as ``(image, target)`` samples.
 
     Same ``classes``, ``class_to_idx``, ``targets`` and ``samples`` (same order) as
-    ``torchvision.datasets.ImageFolder`` on the source tree. ``targets`` is an int64 numpy
-    array (indexing and ``len`` work as on torchvision's list of ints). ``samples`` paths join
+    ``torchvision.datasets.ImageFolder`` on the source tree. ``targets`` acts as torchvision's
+    list of ints (a :class:`TargetList` over the int64 label array; ``np.asarray`` gives the array). ``samples`` paths join
     the folder the pack was made from (recorded in its manifest) with each image's path, like
     torchvision's; pass ``source_root`` when the source tree has moved since, or ``""`` for
     paths relative to it.
@@ -133,11 +204,7 @@ class ImageFolder:
         self.reader: PackReader = open_pack(pack_dir, check_files=check_files, cache_dir=cache_dir,
                                             cache_limit=cache_limit, storage_options=storage_options,
                                             endpoint_url=endpoint_url, retry_seconds=retry_seconds)
-        index = self.reader.index
-        self._labels = np.ascontiguousarray(index.labels, dtype=np.int64)
-        self._shapes = np.ascontiguousarray(index.shapes, dtype=np.int32)
-        self._paths = index.paths
-        self.reader.__dict__.pop("index", None)  # we keep the arrays; drop the reader's copy
+        self.reader.index  # noqa: B018 - map (and check) the index now, not in the first worker
         self.classes: list[str] = list(self.reader.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.payload = self.reader.payload
@@ -154,24 +221,38 @@ class ImageFolder:
             source_root = self.reader.manifests[0].source
         self.source_root = str(source_root)
         self._fast: Compose | None = as_compose(transform)
+        if self._fast is not None and self._fast.geometric and not _resize.available():
+            # Said here, before workers fork (each would say it again when it first resizes).
+            warn_not_built("_resize", "OpenCV resizes the crops (2-6x slower)")
         self.samples = SampleList(self)
         self.imgs = self.samples  # torchvision alias
 
     # -- torchvision-compatible surface -------------------------------------------------
 
     @property
-    def targets(self) -> np.ndarray:
-        return self._labels
+    def targets(self) -> TargetList:
+        """Class index of every sample, a list-compatible view of the label array (see :class:`TargetList`)."""
+        return TargetList(self._labels)
+
+    # The index lives in the reader: memory maps of the pack's index files, shared by every
+    # process on the node (fork inherits the maps, a pickle carries only the files' paths).
+    @property
+    def _labels(self) -> np.ndarray:
+        """int64 label of every record (a memmap; routed per part for a multi-part pack)."""
+        return self.reader.index.labels
+
+    @property
+    def _shapes(self) -> np.ndarray:
+        """int32 (N, 3) stored shape of every record (a memmap, like :attr:`_labels`)."""
+        return self.reader.index.shapes
 
     def __len__(self) -> int:
-        return len(self._labels)
+        return len(self.reader)
 
     def path(self, i: int) -> str:
-        """Source path of record ``i``: ``source_root`` joined with its path in the source tree."""
-        if self._paths is None:  # dropped when pickled; read again from the pack
-            self._paths = self.reader.index.paths
-            self.reader.__dict__.pop("index", None)
-        rel = self._paths[i]
+        """Source path of record ``i``: ``source_root`` joined with its path in the source tree
+        (decoded from the mapped index on each call: no list of N paths is ever built)."""
+        rel = self.reader.index.paths[i]
         return os.path.join(self.source_root, rel) if self.source_root else rel
 
     # -- packs in object storage ---------------------------------------------------------
@@ -252,9 +333,11 @@ class ImageFolder:
             if decoder not in ("auto", "cv2"):
                 raise ValueError(f"{self.root}: {self.payload} payloads are decoded with cv2 (got {decoder!r})")
             return "cv2"
+        if decoder == "auto" and not _jpegcrop.available():
+            warn_not_built("_jpegcrop", "JPEGs are decoded whole instead of only the crop", stacklevel=4)
         if self.payload == "original" and decoder == "auto":
-            # OpenCV applies EXIF orientation and reads every format. turbo-crop takes only
-            # JPEGs without EXIF (see _decode_original) and hands CMYK back to OpenCV.
+            # OpenCV reads every format. turbo-crop takes the JPEGs (turned by fastload's
+            # orientation rule, see _decode_original) and hands CMYK back to OpenCV.
             return "turbo-crop" if _jpegcrop.available() else "cv2"
         if decoder != "auto":
             _check_decoder(decoder)
@@ -275,6 +358,8 @@ class ImageFolder:
         return SampleDraws.single(self.seed if seed is None else seed, epoch, i)
 
     def stored_hw(self, i: int) -> tuple[int, int]:
+        """(H, W) the index stores for record ``i``: every plan's box is placed by it, so every
+        decode is checked against it (a mismatch is a DecodeError naming the record)."""
         s = self._shapes[i]
         return int(s[0]), int(s[1])
 
@@ -287,58 +372,92 @@ class ImageFolder:
             buf = self.reader.get(i)
         except (FormatError, OSError) as exc:
             raise self._read_error(i, exc) from None
+        return self._decode_bytes(i, buf, reduce)
+
+    def _decode_bytes(self, i: int, buf, reduce: int) -> np.ndarray:
+        """:meth:`decode` of record ``i``'s bytes ``buf``. The decoded shape must be the
+        index's (every crop box is planned from it): a DecodeError naming the record if not."""
+        shape = tuple(int(v) for v in self._shapes[i])
         try:
             if self.payload == "jpeg":
-                return _jpeg.decode(buf, backend=self.decoder, reduce=reduce, fast=self.fast_decode)
-            if self.payload == "original":
-                return self._decode_original(buf, reduce)
-            return self._codec.decode(buf, shape=tuple(self._shapes[i]))
+                img = _jpeg.decode(buf, backend=self.decoder, reduce=reduce, fast=self.fast_decode)
+            elif self.payload == "original":
+                img = self._decode_original(buf, reduce)
+            else:
+                img = self._codec.decode(buf, shape=shape)
         except MemoryError:  # not about the record: on_error="skip" must not hide it
             raise
         except Exception as exc:  # decoders fail on bad bytes with many types (cv2.error, OSError, ...)
             raise self._decode_error(i, exc) from None
+        problem = shape_problem(img.shape, shape, reduce=reduce)
+        if problem is not None:
+            raise self._decode_error(i, problem)
+        return img
 
     def _decode_error(self, i: int, exc: Exception) -> DecodeError:
-        return decode_error(self.reader, i, exc, source=self.path(i))
+        return decode_error(self.reader, i, exc, source=self._source_for_error(i))
 
     def _read_error(self, i: int, exc: Exception) -> FormatError:
-        return read_error(self.reader, i, exc, source=self.path(i))
+        return read_error(self.reader, i, exc, source=self._source_for_error(i))
+
+    def _source_for_error(self, i: int) -> str:
+        """``path(i)``, or what to say when the index file's paths cannot be trusted (an error
+        about a record must stay that error, not become one about the index)."""
+        try:
+            return self.path(i)
+        except FormatError:
+            return "unknown: the index file is damaged"
+
 
     def _run_plan(self, i: int, plan: Plan, hw: tuple[int, int], dst: np.ndarray | None = None) -> np.ndarray:
         """Decode record ``i`` and run ``plan`` on it. With turbo-crop only the plan's box is
-        decoded (same pixels as cutting it from a full decode at the same scale)."""
+        decoded (same pixels as cutting it from a full decode at the same scale); the box comes
+        from the index's shape, so the JPEG header's size must equal it (else a DecodeError
+        naming the record: cropping by a wrong shape would stretch the wrong pixels)."""
         reduce = plan.reduce_for(hw) if self.dct_reduce else 1
-        if self.decoder == "turbo-crop":
-            try:
-                buf = self.reader.get(i)
-            except (FormatError, OSError) as exc:
-                raise self._read_error(i, exc) from None
-            if self.payload == "jpeg" or _plain_jpeg(buf):
-                crop = None
-                try:
-                    if self.payload == "original":  # the header, not the index, sizes the source
-                        H, W = _jpegcrop.scaled_hw(*_jpegcrop.header(buf)[:2], reduce)
-                    else:
-                        H, W = _jpegcrop.scaled_hw(*hw, reduce)
-                    t, l, bh, bw = plan.box_in(H, W, hw)
-                    if t >= 0 and l >= 0 and t + bh <= H and l + bw <= W:
-                        # Into a reused buffer when the crop is resized into dst at once.
-                        out = None if dst is None else _jpegcrop.scratch(_jpegcrop.out_bytes(bh, bw))
-                        crop = _jpegcrop.decode_crop(buf, (t, l, bh, bw), reduce=reduce, out=out, fast=self.fast_decode)
-                except MemoryError:
-                    raise
-                except Exception as exc:
-                    raise self._decode_error(i, exc) from None
-                if crop is not None:  # outside the try: a resize bug is not a corrupt record
-                    return plan.finish(crop, dst=dst)
-            # a box reaching outside the image (padding), or an original that is not a plain JPEG
-        return plan.execute(self.decode(i, reduce=reduce), hw, dst=dst)
+        if self.decoder != "turbo-crop":
+            return plan.execute(self.decode(i, reduce=reduce), hw, dst=dst)
+        try:
+            buf = self.reader.get(i)
+        except (FormatError, OSError) as exc:
+            raise self._read_error(i, exc) from None
+        crop, orientation = None, 1
+        try:
+            if self.payload == "jpeg":  # fastload's encoder writes no EXIF: upright as coded
+                info: JpegInfo | None = JpegInfo(*_jpegcrop.header(buf)[:2], 1)
+            else:  # an original: a JPEG (turned by its EXIF orientation), else the full decode below
+                info = jpeg_info(buf)
+            if info is not None:
+                orientation = info.orientation
+                problem = info.shape_problem(hw)
+                if problem is not None:
+                    raise DecodeError(problem)
+                H, W = _jpegcrop.scaled_hw(*hw, reduce)
+                t, l, bh, bw = box = plan.box_in(H, W, hw)
+                if t >= 0 and l >= 0 and t + bh <= H and l + bw <= W:
+                    # The same box of the image as coded, turned after: only it is decoded.
+                    box = coded_box(box, (H, W), orientation)
+                    # Into a reused buffer when the crop is resized into dst at once.
+                    out = None if dst is None else _jpegcrop.scratch(_jpegcrop.out_bytes(box[2], box[3]))
+                    crop = _jpegcrop.decode_crop(buf, box, reduce=reduce, out=out, fast=self.fast_decode)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise self._decode_error(i, exc) from None
+        if crop is not None:  # outside the try: a resize bug is not a corrupt record
+            return plan.finish(orient(crop, orientation), dst=dst)
+        # a box reaching outside the image (padding), or an original that is no JPEG
+        return plan.execute(self._decode_bytes(i, buf, reduce), hw, dst=dst)
 
     def _decode_original(self, buf, reduce: int) -> np.ndarray:
-        # simplejpeg, jpeg4py and PIL's raw decode ignore EXIF orientation, and a 180-degree
-        # turn or a mirror keeps the shape, so only a JPEG without EXIF takes the fast decoder.
-        if self.decoder != "cv2" and _plain_jpeg(buf):
-            return _jpeg.decode(buf, backend=self.decoder, reduce=reduce, fast=self.fast_decode)
+        # simplejpeg, jpeg4py, PIL's raw decode and turbo-crop decode a JPEG as coded: turn it
+        # here by fastload's orientation rule (image.jpeg_info), which the packer sized it by
+        # and the codec applies to OpenCV's decode too. Other formats go to the codec.
+        if self.decoder != "cv2":
+            info = jpeg_info(buf)
+            if info is not None:
+                img = _jpeg.decode(buf, backend=self.decoder, reduce=reduce, fast=self.fast_decode)
+                return orient(img, info.orientation)
         return self._codec.decode(buf, reduce=reduce)
 
     def load(self, i: int, *, epoch: int = 0, seed: int | None = None) -> Any:
@@ -368,9 +487,9 @@ class ImageFolder:
         if self.transform is None:
             shape = self.reader.image_shape
             if shape is None and len(self):
-                first = self._shapes[0]
-                if (self._shapes == first).all():
-                    shape = tuple(int(s) for s in first)
+                lo, hi = self._shapes.min(axis=0), self._shapes.max(axis=0)  # no N-sized temporary
+                if (lo == hi).all():
+                    shape = tuple(int(s) for s in lo)
             return tuple(shape) if shape is not None else None
         if self._fast is None or not self._fast.geometric:
             return None
@@ -465,9 +584,8 @@ class ImageFolder:
     # -- pickling -------------------------------------------------------------------------
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_paths"] = None  # reread from the pack on demand: keeps pickles ~20 bytes/sample
-        return state
+        # Small whatever the pack's size: the reader pickles its index as the files' paths.
+        return self.__dict__.copy()
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -486,14 +604,20 @@ def describe_record(reader: PackReader, i: int, *, source: str | None = None) ->
     ``source`` defaults to the pack's recorded source folder joined with the record's path."""
     k, j = reader.locate(i)
     if source is None:
-        rel = reader.index.paths[i]
+        try:
+            rel = reader.index.paths[i]
+        except FormatError:  # the index file's paths cannot be trusted: the record error stays one
+            rel = None
         root = reader.manifests[0].source
-        source = os.path.join(root, rel) if root else rel
+        source = "unknown: the index file is damaged" if rel is None else os.path.join(root, rel) if root else rel
     return f"{reader.shard_name(k)}: record {j} (dataset index {i}, source {source!r})"
 
 
 def read_error(reader: PackReader, i: int, exc: Exception | str, *, source: str | None = None) -> FormatError:
-    """Record ``i``'s bytes could not be read (damaged LMDB page, missing key, HDF5 read error)."""
+    """Record ``i``'s bytes could not be read (damaged LMDB page, missing key, HDF5 read error),
+    or do not match their checksum (a :class:`CorruptRecordError`, kept as such)."""
+    if isinstance(exc, CorruptRecordError):
+        return CorruptRecordError(f"{describe_record(reader, i, source=source)}: {exc.detail}", detail=exc.detail)
     return FormatError(f"{describe_record(reader, i, source=source)} could not be read: {exc}")
 
 
@@ -564,24 +688,6 @@ def _per_sample_reason(fast: Compose) -> str:
     return "; ".join(reasons)
 
 
-def _plain_jpeg(buf) -> bool:
-    """A JPEG whose header segments (APPn, COM) carry no EXIF block, hence no orientation.
-    Reads a few segment headers, not the image."""
-    mv = memoryview(buf)
-    n = len(mv)
-    if n < 4 or mv[0] != 0xFF or mv[1] != 0xD8:
-        return False
-    pos = 2
-    while pos + 4 <= n and mv[pos] == 0xFF:
-        marker = mv[pos + 1]
-        if not (0xE0 <= marker <= 0xEF or marker == 0xFE):
-            return True  # past the header segments: no EXIF seen
-        if marker == 0xE1 and bytes(mv[pos + 4 : pos + 10]) == b"Exif\x00\x00":
-            return False
-        pos += 2 + ((mv[pos + 2] << 8) | mv[pos + 3])
-    return True
-
-
 @functools.lru_cache(maxsize=1)
 def _probe_jpeg() -> bytes:
     return _jpeg.encode(np.full((16, 16, 3), 128, np.uint8), quality=90)
@@ -603,11 +709,16 @@ def _check_decoder(name: str) -> None:
 # The copy is named after the pack (its resolved path and manifests), so every process on the
 # node that asks for the same pack finds the same directory. Each user holds a shared flock on
 # a lock file next to it for as long as it lives (forked workers inherit it; spawned workers
-# take their own when the dataset is unpickled). At exit a user closes its lock and tries an
-# exclusive one: only the last user gets it, and removes the copy. Whoever arrives first
-# makes the copy (in a temporary directory renamed into place, so nobody reads half a copy);
-# a process killed with SIGKILL leaves it for the next user (the kernel drops its lock) or for
-# the OS (/dev/shm is emptied at reboot).
+# take their own when the dataset is unpickled). At exit (or SIGTERM) a user closes its lock
+# and tries an exclusive one: only the last user gets it, and removes the copy. Whoever
+# arrives first makes the copy (in a private temporary directory renamed into place, so nobody
+# reads half a copy). A copy nobody holds is a leftover (its users were SIGKILLed): the next
+# process that attaches any copy removes it.
+#
+# The name is predictable and /dev/shm is writable by everyone, so another user could plant
+# it (a directory of their own data, a symlink): the copy and its lock file are used only when
+# they are ours, not symlinks, and not writable by others (.shm.check_private_dir), checked
+# with lstat/fstat before anything is read.
 
 _SHM = Path("/dev/shm")
 _attached: dict[Path, tuple[int, int]] = {}  # copy -> (pid that attached, lock fd)
@@ -627,15 +738,32 @@ def _lock_path(dest: Path) -> Path:
     return dest.with_name(dest.name + ".lock")
 
 
+def _open_lock(lock: Path, flags: int) -> int:
+    """Open the lock file without following a symlink, refusing one another user planted."""
+    try:
+        fd = os.open(lock, flags | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeShmError(f"{lock}: in_memory lock file is a symlink: refusing to use it "
+                                 "(another user may have planted it); remove it") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise UnsafeShmError(f"{lock}: in_memory lock file is owned by uid {st.st_uid} (mode "
+                             f"{st.st_mode & 0o777:o}), not privately by this user: refusing to use it; remove it")
+    return fd
+
+
 def _lock_shared(dest: Path) -> int:
     """A shared flock on the copy's lock file (retrying if the last user removed that file
     between our open and our lock)."""
     lock = _lock_path(dest)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(lock, os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            if os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                 return fd
         except FileNotFoundError:
             pass
@@ -650,9 +778,19 @@ def _copy_to_shm(root: Path) -> Path:
     dest = _shm_name(root)
     pid = os.getpid()
     if dest not in _attached or _attached[dest][0] != pid:
+        if not any(p == pid for p, _ in _attached.values()):  # once per process
+            _remove_unused_copies(keep=dest)
+            on_terminate(_remove_shm_copies)
         _attached[dest] = (pid, _lock_shared(dest))
-    if not (dest / ".complete").exists():
-        _make_copy(root, dest)
+    try:
+        if os.path.lexists(dest):
+            check_private_dir(dest, "in_memory copy")
+        if not (dest / ".complete").exists():
+            _make_copy(root, dest)
+            check_private_dir(dest, "in_memory copy")
+    except UnsafeShmError:
+        _detach(dest, _attached.pop(dest)[1])
+        raise
     return dest
 
 
@@ -664,28 +802,35 @@ def _make_copy(root: Path, dest: Path) -> None:
         raise FastloadError(
             f"in_memory=True: {root} needs {need / 2**30:.1f} GiB but /dev/shm has {free / 2**30:.1f} GiB free"
         )
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    prefix = dest.name + ".tmp"
+    remove_stale(str(_SHM), prefix)  # half copies of SIGKILLed processes
+    tmp_s, fd = make_owned_dir(prefix, str(_SHM))  # mode 0700, an unpredictable name
+    tmp = Path(tmp_s)
     try:
         for p in files:
             shutil.copyfile(p, tmp / p.name)
         (tmp / ".complete").touch()
         os.rename(tmp, dest)
-    except OSError:
+    except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if (dest / ".complete").exists():  # another process on this node won the race
+        if (dest / ".complete").exists():  # another process on this node won the race (or planted it: checked next)
             return
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # filled up meanwhile (another copy, a ring)
+            free = shutil.disk_usage(_SHM).free
+            raise FastloadError(f"in_memory=True: /dev/shm filled up while copying {root} ({need / 2**30:.2f} GiB; "
+                                f"{free / 2**20:,.1f} MB free now): read from disk instead, or give the "
+                                "container more shared memory (docker run --shm-size=...)") from None
         raise
+    finally:
+        os.close(fd)
 
 
-def _detach(dest: Path, fd: int) -> None:
-    """Stop using the copy; remove it if no other process (or inherited descriptor) holds it."""
-    os.close(fd)
+def _remove_if_unused(dest: Path) -> None:
+    """Remove the copy if no process (or inherited descriptor) holds its lock."""
     lock = _lock_path(dest)
     try:
-        probe = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+        probe = _open_lock(lock, 0)
+    except (FileNotFoundError, UnsafeShmError):
         return
     try:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -693,11 +838,30 @@ def _detach(dest: Path, fd: int) -> None:
         os.close(probe)
         return
     try:
-        (dest / ".complete").unlink(missing_ok=True)
-        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            if os.path.lexists(dest):
+                check_private_dir(dest, "in_memory copy")
+                (dest / ".complete").unlink(missing_ok=True)
+                shutil.rmtree(dest, ignore_errors=True)
+        except UnsafeShmError:  # not ours: never touch it; our lock file goes
+            pass
         lock.unlink(missing_ok=True)
     finally:
         os.close(probe)
+
+
+def _detach(dest: Path, fd: int) -> None:
+    """Stop using the copy; remove it if no other process (or inherited descriptor) holds it."""
+    os.close(fd)
+    _remove_if_unused(dest)
+
+
+def _remove_unused_copies(keep: Path) -> None:
+    """Remove this user's copies that nobody uses (left behind by SIGKILLed processes)."""
+    for lock in _SHM.glob(f"fastload-{os.getuid()}-*.lock"):
+        dest = lock.with_name(lock.name[: -len(".lock")])
+        if dest != keep and dest not in _attached:
+            _remove_if_unused(dest)
 
 
 @atexit.register

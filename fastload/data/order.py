@@ -7,6 +7,10 @@ way torchdata's nodes do: a loader's ``state_dict()`` is ``{"order": ...}``, a s
 a source (``CUDAPrefetcher``) stores the source's state under ``"source"``, and
 :func:`find_order_state` finds the order state in any of them, so a checkpoint taken through
 one composition (CPU loader + prefetcher) loads into another (DALI).
+
+A pass hands out its indices lazily (:meth:`Order.begin` gives a
+:class:`~fastload.data.plan.RankIndices`): a loader slices one batch at a time, so an epoch
+boundary costs the next batch's indices, not a permutation of the dataset.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import EpochPlan
+from .plan import EpochPlan, RankIndices
 
 __all__ = ["Order", "find_order_state"]
 
@@ -49,6 +53,7 @@ class Order:
         self.start = 0
         self.batches = 0
         self._cache: tuple[int, int, np.ndarray] | None = None
+        self._prepare_at = -1  # the batch of the pass after which the next epoch is prepared
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank."""
@@ -73,7 +78,8 @@ class Order:
             self.epoch, self.start, self.batches = epoch, 0, 0
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's indices of the current pass (or of a whole other ``epoch``)."""
+        """This rank's indices of the current pass (or of a whole other ``epoch``) as one
+        array: O(N / world_size), for callers that want them all (a loader uses :meth:`begin`)."""
         if epoch is not None and int(epoch) != self.epoch:
             return self.plan.indices(int(epoch))
         key = (self.epoch, self.start)
@@ -81,23 +87,30 @@ class Order:
             self._cache = (*key, self.plan.indices(self.epoch, self.start))
         return self._cache[2]
 
-    def begin(self) -> tuple[int, int, np.ndarray]:
-        """Start an iteration: ``(epoch, first batch, this pass's indices)``. A position at
+    def begin(self) -> tuple[int, int, RankIndices]:
+        """Start an iteration: ``(epoch, first batch, this pass's indices)``, the indices lazy
+        (slice a batch at a time: O(batch) each, nothing computed up front). A position at
         the end of its epoch gives an empty pass (whose end moves on to the next epoch)."""
-        return self.epoch, self.batches, self.indices()
+        self._prepare_at = self.batches + self.batches_left() // 2
+        return self.epoch, self.batches, self.plan.indices_view(self.epoch, self.start)
 
     def rebase(self) -> None:
         """Make the current position the start of the pass (``batches = 0``): the same samples
         follow (see :mod:`fastload.data.plan`), for a consumer that cannot start mid-pass."""
         self.start, self.batches = self.position, 0
 
-    def batch(self, indices: np.ndarray, b: int) -> np.ndarray:
+    def batch(self, indices: np.ndarray | RankIndices, b: int) -> np.ndarray:
+        """Batch ``b`` of a pass's indices (from :meth:`begin` or :meth:`indices`)."""
         return self.plan.batch(indices, b)
 
     def advance(self, epoch: int, b: int) -> None:
-        """The caller has received batch ``b`` of ``epoch``'s current pass."""
+        """The caller has received batch ``b`` of ``epoch``'s current pass. Half way through
+        the pass, the next epoch's shared part is computed (:meth:`EpochPlan.prepare`), so
+        the epoch boundary costs no more than a batch."""
         if epoch == self.epoch:
             self.batches = b + 1
+            if b == self._prepare_at:
+                self.plan.prepare(epoch + 1)
 
     def finish(self, epoch: int) -> None:
         """Epoch ``epoch`` is over: the next iteration reads the one after it."""

@@ -7,7 +7,7 @@ files): the same arguments give the same answer in any process, so a restarted j
 worker and every rank agree without talking to each other.
 
 The rule. Epoch ``e`` has one *global order* of the ``N`` samples (:meth:`EpochPlan.order`:
-a permutation seeded by ``(seed, e)``, or ``0..N-1``). Positions in it are read cyclically
+a permutation keyed by ``(seed, e)``, or ``0..N-1``). Positions in it are read cyclically
 (position ``p`` is sample ``order[p % N]``). A *segment* starting at global position ``s`` is
 dealt to ``W`` ranks round-robin: rank ``r`` reads positions ``s + r, s + r + W, ...``, each
 rank the same number of samples ``S``:
@@ -27,7 +27,18 @@ starting at that position, dealt to ``W'`` ranks; no sample of the epoch is read
 skipped (beyond padding and ``drop_last``'s tail), and ``W' = W`` reproduces the
 uninterrupted run exactly (``s + r + jW`` are the same positions).
 
-A shard-aware order is a subclass that overrides :meth:`EpochPlan.order`; the dealing,
+The order is never built to be read. The sample at a position is a pure function of the
+position (:meth:`EpochPlan.at`: a keyed Feistel permutation, :mod:`.permutation`), so a rank
+computes the positions of the batch it reads next (:meth:`EpochPlan.batch_indices`,
+:meth:`EpochPlan.indices_view`): O(batch) per batch and nothing extra at an epoch boundary,
+where a full ``rng.permutation(N)`` cost every rank O(N) time and 8N bytes (a second at 10M
+samples) before the epoch's first batch. :meth:`EpochPlan.indices` (a rank's whole share,
+O(N / world_size)) and :meth:`EpochPlan.order` (all of it, O(N)) remain for callers that want
+arrays. ``order_version`` names the algorithm: 1 was the full permutation (kept so a run
+interrupted mid-epoch by an older fastload can finish that epoch), 2 the pointwise one; a
+state records it and a resume mid-epoch refuses another.
+
+A shard-aware order is a subclass that overrides how a position maps to a sample; the dealing,
 batching and positions stay. :class:`BlockShufflePlan` is one: for packs read from object
 storage through a node-local shard cache, it mixes the samples of a few shards at a time, so
 the cache holds a few shards instead of all of them (a full shuffle touches every shard all
@@ -40,12 +51,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import operator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["BlockShufflePlan", "EpochPlan", "shard_of"]
+from .permutation import permutation_keys, permute
+
+__all__ = ["ORDER_VERSION", "BlockShufflePlan", "EpochPlan", "RankIndices", "shard_of"]
+
+ORDER_VERSION = 2  # 1: rng.permutation(N) per epoch (fastload <= 0.2); 2: pointwise Feistel order
+_CHUNK = 1 << 15  # positions mapped per vectorised call when a caller asks for many (cache-sized)
 
 ShardStarts = Sequence[int] | np.ndarray  # cumulative record offsets of a pack's shards
 ArrayLike = Sequence[int] | np.ndarray
@@ -77,16 +94,18 @@ class EpochPlan:
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
+    order_version: int = ORDER_VERSION
 
     kind: ClassVar[str] = "full-shuffle"  # recorded in states: a resume must use the same order
     # Remote shards a reader should keep open (held against eviction) under this order; None:
     # no bound from the order (a full shuffle touches every shard all the time).
     open_shards: ClassVar[int | None] = None
     # identity() keys that define the order: check_resume refuses a state that differs in one
-    resume_keys: ClassVar[tuple[str, ...]] = ("plan", "num_samples", "seed", "shuffle")
+    resume_keys: ClassVar[tuple[str, ...]] = ("plan", "order_version", "num_samples", "seed", "shuffle")
+    _key_stream: ClassVar[tuple[int, ...]] = ()  # words added to (seed, epoch) for this kind's permutation keys
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "batch_size", "seed", "rank", "world_size"):
+        for name in ("num_samples", "batch_size", "seed", "rank", "world_size", "order_version"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ValueError(f"{name} must be an int, got {v!r}")
@@ -103,6 +122,26 @@ class EpochPlan:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
+        if self.order_version not in (1, ORDER_VERSION):
+            raise ValueError(f"order_version must be 1 or {ORDER_VERSION}, got {self.order_version}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_epoch_memo", None)  # per-epoch layouts: rebuilt on demand, not shipped to workers
+        return state
+
+    def _memo(self, key: tuple[str, int], make: Callable[[], Any]) -> Any:
+        """A small per-plan cache of per-epoch data ``key = (kind, epoch)``: two epochs of each
+        kind (the current one and the next, around a boundary). Safe from several threads: a
+        race computes a value twice, never loses one."""
+        memo = self.__dict__.setdefault("_epoch_memo", {})
+        value = memo.get(key)
+        if value is None:
+            value = make()
+            for old in [k for k in list(memo) if k[0] == key[0]][:-1]:
+                memo.pop(old, None)
+            memo[key] = value
+        return value
 
     def replace(self, **changes: Any) -> EpochPlan:
         """A copy with some fields changed (e.g. another rank or world size)."""
@@ -111,11 +150,59 @@ class EpochPlan:
     # -- the global order --------------------------------------------------------------------
 
     def order(self, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s global order of all samples (int64), the same on every rank."""
+        """Epoch ``epoch``'s global order of all samples (int64), the same on every rank.
+        O(N): a loader never builds it (see :meth:`at`)."""
         _check_epoch(epoch)
+        out = np.empty(self.num_samples, dtype=np.int64)
+        for lo in range(0, self.num_samples, _CHUNK):
+            out[lo : lo + _CHUNK] = self._at(int(epoch), np.arange(lo, min(lo + _CHUNK, self.num_samples)))
+        return out
+
+    def at(self, epoch: int, positions: ArrayLike) -> np.ndarray:
+        """The samples at global ``positions`` (read cyclically) of epoch ``epoch``'s order,
+        i.e. ``order(epoch)[positions % N]`` in O(len(positions)), without the order."""
+        _check_epoch(epoch)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not pos.size:
+            return np.zeros(0, dtype=np.int64)
+        if self.num_samples == 0:
+            raise ValueError("an empty dataset has no positions")
+        if pos.size <= _CHUNK:
+            return self._at(int(epoch), pos % self.num_samples)
+        out = np.empty(pos.size, dtype=np.int64)
+        for lo in range(0, pos.size, _CHUNK):  # cache-sized steps, and no N-sized temporaries
+            out[lo : lo + _CHUNK] = self._at(int(epoch), pos[lo : lo + _CHUNK] % self.num_samples)
+        return out
+
+    def _at(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """:meth:`at` for positions already in 0..N-1."""
         if not self.shuffle:
-            return np.arange(self.num_samples, dtype=np.int64)
-        return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples).astype(np.int64)
+            return pos
+        if self.order_version == 1:
+            return self._memo(("v1", epoch), lambda: self._order_v1(epoch))[pos]
+        return self._lookup(epoch, pos)
+
+    def _lookup(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """Samples at positions ``pos`` (in 0..N-1) of a shuffled order (order version 2)."""
+        return permute(pos, self.num_samples, self._keys(epoch))
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        """The round keys of epoch ``epoch``'s permutation (per plan kind: a block order never
+        draws a full shuffle's numbers)."""
+        return self._memo(("keys", epoch), lambda: permutation_keys(self.seed, epoch, *self._key_stream))
+
+    def prepare(self, epoch: int) -> None:
+        """Compute ahead what every batch of epoch ``epoch`` shares (its keys; a
+        :class:`BlockShufflePlan`'s shard layout, O(num_shards)), so that epoch's first batch
+        costs no more than any other. :class:`~fastload.data.order.Order` calls it half way
+        through the epoch before. Never needed for correctness."""
+        _check_epoch(epoch)
+        if self.shuffle and self.order_version != 1:  # version 1's whole order is not built ahead
+            self._keys(int(epoch))
+
+    def _order_v1(self, epoch: int) -> np.ndarray:
+        """The whole shuffled order as fastload <= 0.2 drew it (order version 1)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples).astype(np.int64)
 
     # -- arithmetic (no order needed) ----------------------------------------------------------
 
@@ -171,19 +258,43 @@ class EpochPlan:
 
     def indices(self, epoch: int, start: int = 0, order: np.ndarray | None = None) -> np.ndarray:
         """This rank's sample indices in the segment of epoch ``epoch`` from ``start``, in
-        order (int64). ``order`` is :meth:`order` for the epoch, when the caller caches it."""
+        order (int64): O(N / world_size). ``order`` is :meth:`order` for the epoch, when the
+        caller has it. A loader reads :meth:`indices_view` instead, a batch at a time."""
         per_rank = self.samples_per_rank(start)
         if per_rank == 0:
+            _check_epoch(epoch)
             return np.zeros(0, dtype=np.int64)
-        order = self.order(epoch) if order is None else order
-        return np.ascontiguousarray(order[self._positions(start, 0, per_rank) % self.num_samples])
+        if order is not None:
+            return np.ascontiguousarray(order[self._positions(start, 0, per_rank) % self.num_samples])
+        return self.take(epoch, 0, per_rank, start)
+
+    def take(self, epoch: int, lo: int, hi: int, start: int = 0) -> np.ndarray:
+        """This rank's samples ``lo .. hi - 1`` (clipped to the segment) of the segment of
+        epoch ``epoch`` from ``start``: ``indices(epoch, start)[lo:hi]`` in O(hi - lo)."""
+        per_rank = self.samples_per_rank(start)
+        lo, hi = max(0, min(int(lo), per_rank)), max(0, min(int(hi), per_rank))
+        if hi - lo <= _CHUNK:
+            return self.at(epoch, self._positions(start, lo, hi))
+        out = np.empty(hi - lo, dtype=np.int64)
+        for a in range(lo, hi, _CHUNK):  # positions a chunk at a time: the result is the only big array
+            out[a - lo : a - lo + _CHUNK] = self.at(epoch, self._positions(start, a, min(a + _CHUNK, hi)))
+        return out
+
+    def batch_indices(self, epoch: int, b: int, start: int = 0) -> np.ndarray:
+        """Batch ``b`` of this rank's segment of epoch ``epoch`` from ``start``, in O(batch)."""
+        return self.take(epoch, int(b) * self.batch_size, (int(b) + 1) * self.batch_size, start)
+
+    def indices_view(self, epoch: int, start: int = 0) -> RankIndices:
+        """:meth:`indices` as a lazy sequence: slicing it computes only that slice."""
+        _check_epoch(epoch)
+        return RankIndices(self, int(epoch), self._check_start(start))
 
     def _positions(self, start: int, lo: int, hi: int) -> np.ndarray:
         """Global positions of this rank's samples ``lo .. hi - 1`` in the segment from ``start``."""
         return start + self.rank + self.world_size * np.arange(lo, hi, dtype=np.int64)
 
-    def batch(self, indices: np.ndarray, b: int) -> np.ndarray:
-        """Batch ``b`` of a rank's :meth:`indices`."""
+    def batch(self, indices: np.ndarray | RankIndices, b: int) -> np.ndarray:
+        """Batch ``b`` of a rank's :meth:`indices` (or :meth:`indices_view`: computes that batch only)."""
         return indices[b * self.batch_size : (b + 1) * self.batch_size]
 
     # -- shards (for a download-ahead over a shard cache) --------------------------------------
@@ -212,8 +323,9 @@ class EpochPlan:
         hi = min((first_batch + batches) * self.batch_size, per_rank)
         if hi <= lo:
             return []
-        order = self.order(epoch) if order is None else order
-        shards = shard_of(order[self._positions(start, lo, hi) % self.num_samples], starts)
+        positions = self._positions(start, lo, hi)
+        samples = self.at(epoch, positions) if order is None else order[positions % self.num_samples]
+        shards = shard_of(samples, starts)
         unique, first = np.unique(shards, return_index=True)
         return unique[np.argsort(first)].tolist()
 
@@ -251,21 +363,50 @@ class EpochPlan:
         """What a saved position records about the plan. A resume checks the order-defining
         fields (see :meth:`check_resume`); rank, world size and batch size may change."""
         return {
-            "plan": self.kind, "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-            "drop_last": self.drop_last, "world_size": self.world_size, "batch_size": self.batch_size,
+            "plan": self.kind, "order_version": self.order_version, "num_samples": self.num_samples,
+            "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "world_size": self.world_size, "batch_size": self.batch_size,
         }
 
     def check_resume(self, state: dict[str, Any], what: str = "loader") -> None:
         """ValueError if ``state`` was saved under a plan with another order (resuming would
-        neither reproduce the run nor cover the rest of its epoch)."""
+        neither reproduce the run nor cover the rest of its epoch). Another ``order_version``
+        is refused only mid-epoch: from an epoch boundary any order covers the epochs to come."""
         mine = self.identity()
+        # keys missing from older states: "plan" (fastload <= 0.1) and "order_version" (<= 0.2)
+        old = {"plan": "full-shuffle", "order_version": 1}
         for key in self.resume_keys:
-            theirs = state.get(key, "full-shuffle" if key == "plan" else mine[key])  # no "plan": fastload <= 0.1
-            if theirs != mine[key]:
+            theirs = state.get(key, old.get(key, mine[key]))
+            if theirs == mine[key]:
+                continue
+            if key == "order_version" and not self.shuffle:
+                continue  # 0..N-1 in every version
+            if key == "order_version" and self._at_epoch_boundary(state):
+                continue
+            if key == "order_version":
                 raise ValueError(
-                    f"{what} state has {key}={theirs!r} but this {what} has {mine[key]!r}; "
-                    "resuming would not continue the interrupted epoch"
+                    f"{what} state was saved mid-epoch under order_version={theirs!r} (another fastload's sample "
+                    f"order) but this {what} computes order_version={mine[key]!r}; to finish that epoch exactly, "
+                    f"pass plan={type(self).__name__}(..., order_version={theirs!r}), or restart the epoch"
                 )
+            raise ValueError(
+                f"{what} state has {key}={theirs!r} but this {what} has {mine[key]!r}; "
+                "resuming would not continue the interrupted epoch"
+            )
+
+    def _at_epoch_boundary(self, state: dict[str, Any]) -> bool:
+        """Whether a saved position is at its epoch's start or end (nothing of it left to read)."""
+        try:
+            saved = self.replace(rank=0, world_size=int(state.get("world_size", self.world_size)),
+                                 batch_size=int(state.get("batch_size", self.batch_size)),
+                                 drop_last=bool(state.get("drop_last", self.drop_last)))
+            if "position" in state:
+                position = int(state["position"])
+            else:
+                position = saved.consumed(int(state["batches"]))
+        except (KeyError, TypeError, ValueError):
+            return False
+        return position == 0 or (position > 0 and saved.finished(position))
 
 
 _BLOCK_STREAM = 0x626C6F63  # "bloc": a spawn key, so a block order never draws EpochPlan's numbers
@@ -281,6 +422,8 @@ class BlockShufflePlan(EpochPlan):
     consecutive windows of ``window`` shards, permute all the samples of each window, and
     concatenate the windows. The first ``k`` windows of the order hold exactly the samples of
     the first ``k * window`` shards of the shard order. ``shuffle=False`` gives ``0..N-1``.
+    Each window has its own keyed pointwise permutation (:mod:`.permutation`), so a batch
+    costs O(batch) and the shard order O(num_shards), once per epoch: no sample order is built.
 
     Dealing, batching, positions and elastic resume are :class:`EpochPlan`'s. Every rank
     reads the current window (ranks move in lock-step through one global order), so a node
@@ -298,6 +441,7 @@ class BlockShufflePlan(EpochPlan):
     window: int = 4
 
     kind: ClassVar[str] = "block-shuffle"
+    _key_stream: ClassVar[tuple[int, ...]] = (_BLOCK_STREAM,)
 
     @property
     def open_shards(self) -> int:  # type: ignore[override]
@@ -340,12 +484,35 @@ class BlockShufflePlan(EpochPlan):
             return np.arange(self.num_shards, dtype=np.int64)
         return self._rng(epoch).permutation(self.num_shards).astype(np.int64)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s global order: windows of shuffled shards, each window's samples
-        shuffled together (see the class docstring)."""
-        if not self.shuffle:
-            _check_epoch(epoch)
-            return np.arange(self.num_samples, dtype=np.int64)
+    def _layout(self, epoch: int) -> tuple[np.ndarray, ...]:
+        """Epoch ``epoch``'s shard order laid out in positions: ``(shard order, shard sizes,
+        end position of each shard, end position of each window)``, all O(num_shards)."""
+        def make() -> tuple[np.ndarray, ...]:
+            perm = self.shard_order(epoch)
+            sizes = np.diff(self._starts)[perm]
+            ends = np.cumsum(sizes)
+            last = np.minimum(np.arange(self.window, self.num_shards + self.window, self.window), self.num_shards)
+            return perm, sizes, ends, ends[last - 1] if self.num_shards else ends
+        return self._memo(("layout", epoch), make)
+
+    def _lookup(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        """Position -> window -> offset shuffled within the window (its own keyed permutation)
+        -> the shard and record at that offset of the window's shards, all vectorised."""
+        perm, sizes, ends, window_ends = self._layout(epoch)
+        w = np.searchsorted(window_ends, pos, side="right")
+        first = np.concatenate([[0], window_ends])[w]  # the window's first position
+        q = first + permute(pos - first, window_ends[w] - first, self._keys(epoch), tweak=w)
+        j = np.searchsorted(ends, q, side="right")  # q's shard, as its place in the shard order
+        return self._starts[perm[j]] + (q - (ends[j] - sizes[j]))
+
+    def prepare(self, epoch: int) -> None:
+        """:meth:`EpochPlan.prepare`, and the epoch's shard layout."""
+        super().prepare(epoch)
+        if self.shuffle and self.order_version != 1:
+            self._layout(int(epoch))
+
+    def _order_v1(self, epoch: int) -> np.ndarray:
+        """The order as fastload <= 0.2 drew it (order version 1): one rng shuffle per window."""
         rng = self._rng(epoch)
         perm = rng.permutation(self.num_shards)  # the same draw as shard_order
         sizes = np.diff(self._starts)[perm]
@@ -364,6 +531,49 @@ class BlockShufflePlan(EpochPlan):
         """:meth:`EpochPlan.identity` plus the window and a hash of the shard layout."""
         layout = hashlib.sha1(self._starts.astype("<i8").tobytes()).hexdigest()[:16]
         return {**super().identity(), "window": self.window, "num_shards": self.num_shards, "shard_layout": layout}
+
+
+class RankIndices:
+    """A rank's sample indices in a segment of one epoch (:meth:`EpochPlan.indices_view`), as a
+    lazy sequence: ``view[a:b]`` computes those ``b - a`` indices only, ``view[i]`` one,
+    ``np.asarray(view)`` all of them. Loaders hold one per pass and slice a batch at a time,
+    so starting an epoch costs no more than reading a batch."""
+
+    __slots__ = ("plan", "epoch", "start", "_len")
+
+    def __init__(self, plan: EpochPlan, epoch: int, start: int):
+        self.plan, self.epoch, self.start = plan, epoch, start
+        self._len = plan.samples_per_rank(start)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(self._len)
+            if step == 1:
+                return self.plan.take(self.epoch, lo, hi, self.start)
+            return np.asarray(self)[key]
+        i = operator.index(key)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {key} out of range for {self._len} indices")
+        return int(self.plan.take(self.epoch, i, i + 1, self.start)[0])
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        out = self.plan.take(self.epoch, 0, self._len, self.start)
+        return out if dtype is None else out.astype(dtype)
+
+    def __iter__(self) -> Iterator[int]:
+        for lo in range(0, self._len, _CHUNK // 16):
+            yield from self[lo : lo + _CHUNK // 16].tolist()
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
+
+    def __repr__(self) -> str:
+        return f"RankIndices({self._len} indices of epoch {self.epoch} from position {self.start}, {self.plan!r})"
 
 
 def _check_epoch(epoch: int) -> None:

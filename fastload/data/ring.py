@@ -9,6 +9,11 @@ and their memory is reserved with ``posix_fallocate``: too little ``/dev/shm`` (
 default is 64 MB) is a clear error at start that says how much is needed and how much is
 free, never a SIGBUS in a worker later (a sparse file on a full tmpfs faults on first touch).
 
+**Never left behind.** The directory is named after its owner (pid and start time, see
+:mod:`.shm`) and removed by :meth:`Ring.close` (which the DataLoader calls on close, at garbage
+collection and at exit) and on SIGTERM; a ring whose owner was SIGKILLed is removed by the
+next ring created in the same directory.
+
 **The slot-release rule, in one place.** :meth:`Ring.lease` hands out an array over a slot
 whose death returns the slot: it goes back to the ring when no array or tensor views it any
 more. On CUDA, the to-device stage keeps the batch alive until its copy has completed
@@ -22,15 +27,22 @@ import errno
 import mmap
 import os
 import shutil
-import tempfile
 import weakref
 from typing import Callable
 
 import numpy as np
 
 from ..errors import FastloadError
+from .shm import make_owned_dir, on_terminate, remove_stale
 
-__all__ = ["Ring", "RingSpaceError", "slot_bytes"]
+__all__ = ["RING_PREFIX", "Ring", "RingSpaceError", "default_ring_base", "slot_bytes"]
+
+RING_PREFIX = "fastload-ring-"
+
+
+def default_ring_base() -> str | None:
+    """Where slot files go without ``ring_dir=``: ``/dev/shm`` (None where there is none)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class RingSpaceError(FastloadError):
@@ -85,6 +97,8 @@ class Ring:
         self.free: collections.deque[int] = collections.deque(range(self.capacity))
         self.closed = False
         self._leased: set[int] = set()
+        self._lock_fd: int | None = None
+        self._unregister = None
         try:
             if shared:
                 self._create_files(directory)
@@ -101,10 +115,16 @@ class Ring:
             raise
 
     def _create_files(self, directory: str | None) -> None:
-        base = directory if directory is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        if base is not None and not os.path.isdir(base):
+        base = directory if directory is not None else default_ring_base()
+        if base is None:
+            import tempfile
+
+            base = tempfile.gettempdir()
+        if not os.path.isdir(base):
             raise RingSpaceError(f"ring_dir {base!r} is not a directory")
-        self.dir = tempfile.mkdtemp(prefix="fastload-ring-", dir=base)
+        remove_stale(base, RING_PREFIX)  # rings of SIGKILLed runs: their space counts below
+        self._unregister = on_terminate(self.close)
+        self.dir, self._lock_fd = make_owned_dir(RING_PREFIX, base)
         size = slot_bytes(self.batch_shape)
         need = size * self.capacity
         try:
@@ -171,6 +191,12 @@ class Ring:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
         self.closed = True
         self.free.clear()
         self._leased.clear()

@@ -16,6 +16,8 @@ from .plan import EpochPlan
 
 __all__ = ["DistributedEpochSampler", "epoch_indices"]
 
+_CHUNK = 4096  # indices computed per step of iteration
+
 
 def epoch_indices(
     n: int,
@@ -69,9 +71,11 @@ class DistributedEpochSampler:
 
     def __iter__(self) -> Iterator[int]:
         epoch, start, idx = self.order.begin()
-        for k in range(start, len(idx)):
-            self.order.advance(epoch, k)
-            yield int(idx[k])
+        n = len(idx)
+        for lo in range(start, n, _CHUNK):  # a chunk of the order at a time: no O(N) work up front
+            for k, i in enumerate(idx[lo : min(n, lo + _CHUNK)].tolist(), lo):
+                self.order.advance(epoch, k)
+                yield i
         # A finished epoch moves on, so iterating again without set_epoch reshuffles.
         self.order.finish(epoch)
 

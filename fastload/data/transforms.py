@@ -22,7 +22,6 @@ Normalisation and float conversion are not part of the default path (they happen
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union

@@ -40,13 +40,14 @@ import numpy as np
 
 from ..config import usable_cpus
 from ..data.draws import crop_boxes, flip_flags
-from ..checks import check_batch_args, resolve_distributed
+from ..checks import check_batch_args, check_main_guard, resolve_distributed
 from ..data.order import Order
 from ..data.plan import EpochPlan
 from ..codecs import jpegcrop as _jpegcrop
 from ..data.dataset import decode_error, describe_record, first_substitute, read_error
 from ..data.protocols import on_error_skips
 from ..errors import DecodeError, FormatError, require
+from ..image import exif_orientations, jpeg_info
 from ..normalization import SCALE_ONLY, Normalization, as_normalization
 from ..storage import PackReader, open_pack
 from ..storage.remote import is_url
@@ -154,7 +155,7 @@ class PackBatchSource:
 
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         if self._cached is None or self._cached[:2] != (epoch, start):
-            self._cached = (epoch, start, self.plan.indices(epoch, start))
+            self._cached = (epoch, start, self.plan.indices_view(epoch, start))  # lazy: O(batch) per batch
         return self._cached[2]
 
     def batch_indices(self, epoch_idx: int, iteration: int) -> np.ndarray:
@@ -254,7 +255,8 @@ def payload_problem(buf: np.ndarray, payload: str, hw: Sequence[int] | None = No
 
     JPEG: the start-of-image marker and a header fastload's own parser reads (when the turbo-crop
     extension is built), and for payload ``"jpeg"`` (fastload's encoder) the end-of-image
-    marker last and the header's size equal to the index's ``hw``. A source file (``"original"``)
+    marker last; the header's size (turned by its EXIF orientation: what DALI decodes) equal to
+    the index's ``hw``, which places the crop windows. A source file (``"original"``)
     may carry data after its image (a camera's trailer, a motion photo's video), so its end is
     not checked. PNG/BMP: the signature. Damage inside the compressed data gets past these
     checks: DALI's decoder then fails the pipeline.
@@ -269,11 +271,20 @@ def payload_problem(buf: np.ndarray, payload: str, hw: Sequence[int] | None = No
             return f"no JPEG end-of-image marker at the end of its {n} bytes (truncated or overwritten)"
         if _jpegcrop.available():
             try:
-                h, w = _jpegcrop.header(buf)
+                _jpegcrop.header(buf)
             except DecodeError as exc:
                 return str(exc)
-            if payload == "jpeg" and hw is not None and (h, w) != (int(hw[0]), int(hw[1])):
-                return f"its JPEG header says {h}x{w}, the pack's index {int(hw[0])}x{int(hw[1])}"
+        if payload == "original" and len(set(exif_orientations(buf))) > 1:
+            # DALI 2.4's decoder crashes the whole process (SIGSEGV) on such a header
+            return ("its EXIF blocks disagree on the orientation, which DALI's decoder cannot read: "
+                    "read it with fastload's CPU loader, or repack it with --payload jpeg")
+        if hw is not None:
+            # DALI turns a JPEG by its EXIF orientation as fastload.image.jpeg_info reads it
+            # (checked by tests/test_shape_truth.py), and its crop windows come from the index.
+            info = jpeg_info(buf)
+            if info is None:
+                return "no JPEG frame header before its scan data"
+            return info.shape_problem(tuple(hw))
         return None
     if payload == "jpeg":
         return f"no JPEG start-of-image marker (starts with {bytes(buf[:4]).hex(' ')})"
@@ -409,6 +420,8 @@ class DALILoader:
         self.num_threads = int(num_threads) if num_threads else max(1, min(8, usable_cpus()))
         self.py_num_workers = max(1, int(py_num_workers))
         self.py_start_method = py_start_method
+        if self._start_method() == "spawn":  # before the pack is opened or anything starts
+            check_main_guard("fastload.dali.DALILoader")
         self.prefetch_queue_depth = int(prefetch_queue_depth)
         self.on_error = on_error
 

@@ -7,16 +7,17 @@ shard readers, it opens no file handle until a record is read, and pickles small
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import CorruptRecordError, FormatError
 from ..schema import BACKENDS, Manifest, ShardEntry, find_manifests
-from .base import ShardIndex, ShardReader, ShardWriter, StringTable, file_sha256
-from .index_file import read_index_file
+from .base import ShardIndex, ShardReader, ShardWriter, StringTable, check_labels, file_sha256, record_checksum
+from .pack_index import PackIndex, PartedArray
 
 __all__ = [
     "PackReader",
@@ -26,32 +27,63 @@ __all__ = [
     "StringTable",
     "make_shard_reader",
     "make_shard_writer",
+    "default_max_open",
     "open_pack",
+    "record_checksum",
 ]
 
 
-def make_shard_writer(backend: str, path: Path, *, shard_size: int = 1 << 30) -> ShardWriter:
+def make_shard_writer(backend: str, path: Path, *, shard_size: int = 1 << 30, pack_id: str | None = None) -> ShardWriter:
     if backend == "lmdb":
         from .lmdb_backend import LMDBShardWriter
 
-        return LMDBShardWriter(path, shard_size=shard_size)
+        return LMDBShardWriter(path, shard_size=shard_size, pack_id=pack_id)
     if backend == "hdf5":
         from .hdf5_backend import HDF5ShardWriter
 
-        return HDF5ShardWriter(path, shard_size=shard_size)
+        return HDF5ShardWriter(path, shard_size=shard_size, pack_id=pack_id)
     raise ValueError(f"unknown storage backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
-def make_shard_reader(backend: str, path: Path, num_samples: int) -> ShardReader:
+def make_shard_reader(backend: str, path: Path, num_samples: int, *, pack_id: str | None = None,
+                      name: str | None = None, entry: ShardEntry | None = None) -> ShardReader:
+    """A reader of one shard; ``entry`` (its manifest entry) carries what the backend checks
+    before trusting the file (HDF5: the metadata checksum)."""
     if backend == "lmdb":
         from .lmdb_backend import LMDBShardReader
 
-        return LMDBShardReader(path, num_samples)
+        return LMDBShardReader(path, num_samples, pack_id=pack_id, name=name)
     if backend == "hdf5":
         from .hdf5_backend import HDF5ShardReader
 
-        return HDF5ShardReader(path, num_samples)
+        check = None
+        if entry is not None and entry.meta_xxh3 is not None and entry.data_span is not None:
+            check = (tuple(entry.data_span), entry.meta_xxh3)
+        return HDF5ShardReader(path, num_samples, pack_id=pack_id, name=name, check=check)
     raise FormatError(f"unknown storage backend {backend!r}")
+
+
+def default_max_open() -> int:
+    """How many local shards one process keeps open: half its file-descriptor limit (each open
+    shard holds one descriptor), so a pack of thousands of shards never hits "Too many open
+    files" and the other half stays for everything else."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        return 256
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
+        return 1024
+    return max(4, min(1024, soft // 2))
+
+
+def _close_all(readers: list[ShardReader]) -> None:
+    for r in readers:
+        try:
+            r.close()
+        except Exception:  # pragma: no cover - best effort at garbage collection
+            pass
 
 
 class PackReader:
@@ -60,15 +92,26 @@ class PackReader:
     ``remote``: a pack at a URL (:class:`~fastload.storage.remote_pack.RemotePack`): its
     manifests and index come from a local copy, and each shard is taken from the node's shard
     cache when first read, held against eviction while this process has it open (at most
-    ``max_open`` remote shards at once; the oldest is closed and released first).
+    ``max_open`` remote shards at once; the oldest is closed and released first). A local pack
+    keeps at most ``max_open`` shards open too (default: :func:`default_max_open`), closing the
+    least recently used first; a reader that is garbage-collected closes its shards.
+
+    ``verify_records``: check every record read against the checksum stored when it was packed
+    (payload, label, shape and record number; see :func:`~fastload.storage.base.record_checksum`).
+    On by default; off only to measure what the check costs. Packs made before checksums read
+    unchecked.
     """
 
-    def __init__(self, root: str | Path, *, check_files: bool = True, remote: Any = None, max_open: int = 32):
+    def __init__(self, root: str | Path, *, check_files: bool = True, remote: Any = None,
+                 max_open: int | None = None, verify_records: bool = True):
         self.remote = remote
         self.url = remote.url if remote is not None else None
         self.root = Path(remote.fetch_meta()) if remote is not None else Path(root)
-        self.max_open = int(max_open)
-        self._held: dict[int, None] = {}  # remote shards this process holds, oldest first
+        self.max_open = int(max_open) if max_open is not None else (32 if remote is not None else default_max_open())
+        self.verify_records = bool(verify_records)
+        self._checks: tuple | None = None  # see _record_checks; None: not loaded yet
+        self._part_of_shard: list[int] | None = None
+        self._held: dict[int, None] = {}  # shards this process has open (remote: holds), oldest first
         self._announced: dict[int, None] = {}  # remote shards whose download was started, recent last
         self.manifests: tuple[Manifest, ...] = tuple(find_manifests(self.root))
         first = self.manifests[0]
@@ -84,9 +127,14 @@ class PackReader:
         self.image_shape = shapes.pop() if len(shapes) == 1 else None
         if check_files and remote is None:
             self._check_files()
+        ids = [m.pack_id for m in self.manifests for _ in m.shards]
         self._readers: list[ShardReader] = [
-            make_shard_reader(self.backend, self.shard_path(k), s.num_samples) for k, s in enumerate(entries)
+            make_shard_reader(self.backend, self.shard_path(k), s.num_samples, pack_id=ids[k],
+                              name=self.shard_name(k) if remote is not None else None, entry=s)
+            for k, s in enumerate(entries)
         ]
+        # Close this process's shards when the reader is dropped (the list is shared, not self).
+        self._finalizer = weakref.finalize(self, _close_all, self._readers)
 
     def _check_files(self) -> None:
         for s in self.shard_entries:
@@ -121,16 +169,53 @@ class PackReader:
         return dict(self.manifests[0].options)
 
     @cached_property
-    def index(self) -> ShardIndex:
-        """Labels, shapes and paths of every record: memory-mapped from the parts' index files
-        (one part: no copy at all), or, for packs made before index files, read from every
-        shard with short-lived handles."""
+    def index(self) -> ShardIndex | PackIndex:
+        """Labels, shapes and paths of every record: a :class:`PackIndex` memory-mapped from the
+        parts' index files (one physical copy per node, no private copy, pickled as the files'
+        paths), or, for packs made before index files, read from every shard with short-lived
+        handles (a private copy)."""
         if not self._readers:
-            return ShardIndex(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
-        if all(m.index is not None for m in self.manifests):
-            parts = [read_index_file(self.root / m.index.file, num_samples=m.num_samples) for m in self.manifests]
-            return parts[0] if len(parts) == 1 else ShardIndex.concat(parts)
-        return ShardIndex.concat(r.read_index() for r in self._readers)
+            index = ShardIndex(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
+        elif all(m.index is not None for m in self.manifests):
+            index = PackIndex([(self.root / m.index.file, m.num_samples, getattr(m, "pack_id", None))
+                               for m in self.manifests], [m.index.sha256 for m in self.manifests]).open()
+            labels = index.labels.parts if isinstance(index.labels, PartedArray) else [index.labels]
+            for m, lab in zip(self.manifests, labels):  # part by part: no joined copy of N labels
+                check_labels(lab, len(self.classes), where=str(self.root / m.index.file))
+        else:
+            parts = []
+            for k, r in enumerate(self._readers):
+                idx = r.read_index()
+                check_labels(idx.labels, len(self.classes), where=self.shard_name(k))
+                parts.append(idx)
+            index = ShardIndex.concat(parts)
+        return index
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the pack stores record checksums (packs made before them do not)."""
+        return bool(self._record_checks())
+
+    def _record_checks(self) -> tuple:
+        """Per part of the pack: (first record, labels, shapes, checksums), the very arrays
+        :attr:`index` serves (memory maps of the index files: the label a dataset serves is the
+        label checked); ``()`` for packs without checksums. Per part so that a read costs two
+        array lookups, never a search or a concatenated copy."""
+        if self._checks is None:
+            index = self.index
+            sums = index.checksums
+            if sums is None or not len(self):
+                self._checks = ()
+            elif isinstance(index, PackIndex) and len(index.files) > 1:
+                starts = index.starts.tolist()
+                parts = zip(index.labels.parts, index.shapes.parts, sums.parts)
+                self._checks = tuple((starts[m], *arrs) for m, arrs in enumerate(parts))
+            else:
+                self._checks = ((0, index.labels, index.shapes, sums),)
+            if self._checks:
+                part_of = [m for m, mf in enumerate(self.manifests) for _ in mf.shards]
+                self._part_of_shard = part_of if len(self._checks) > 1 else None
+        return self._checks
 
     @property
     def index_entries(self) -> tuple[ShardEntry, ...]:
@@ -147,21 +232,48 @@ class PackReader:
         return k, i - int(self.shard_starts[k])
 
     def get(self, i: int):
-        """Payload of global record ``i``: a zero-copy buffer valid until ``close()`` (for a
-        remote pack, until another shard's first read may close this one)."""
+        """Payload of global record ``i``: a zero-copy buffer valid until ``close()``, or until a
+        read of another shard closes this one (more than ``max_open`` shards in use).
+
+        Raises :class:`~fastload.errors.CorruptRecordError` when the bytes, or the label or
+        shape the index holds for the record, differ from what was packed."""
         k, j = self.locate(i)
-        if self.remote is not None and k not in self._held:
+        if k in self._held:
+            self._held[k] = self._held.pop(k)  # most recently used last
+        else:
             self._hold(k)
-        return self._readers[k].get(j)
+        buf = self._readers[k].get(j)
+        if self.verify_records:
+            checks = self._checks if self._checks is not None else self._record_checks()
+            if checks:
+                g = int(self.shard_starts[k]) + j
+                start, labels, shapes, sums = checks[self._part_of_shard[k] if len(checks) > 1 else 0]
+                r = g - start
+                # .item()/.tolist(): Python ints, three times cheaper than numpy scalars here
+                if record_checksum(buf, label=labels.item(r), record=j, shape=shapes[r].tolist()) != sums.item(r):
+                    raise self._corrupt(k, j, g)
+        return buf
+
+    def _corrupt(self, k: int, j: int, g: int) -> CorruptRecordError:
+        try:
+            source = repr(self.index.paths[g])
+        except Exception:  # the index itself may be what is damaged
+            source = "unknown"
+        detail = (f"checksum mismatch: its bytes, or its label or shape in the index, are damaged; "
+                  f"run `fastload verify {self.url or self.root}`")
+        return CorruptRecordError(f"{self.shard_name(k)}: record {j} (pack record {g}, source {source}): {detail}",
+                                  detail=detail)
 
     def _hold(self, k: int) -> None:
-        self.remote.hold(self.shard_entries[k])
+        if self.remote is not None:
+            self.remote.hold(self.shard_entries[k])
         self._held[k] = None
         while len(self._held) > self.max_open:
             old = next(iter(self._held))
             del self._held[old]
             self._readers[old].close()
-            self.remote.release(self.shard_entries[old])
+            if self.remote is not None:
+                self.remote.release(self.shard_entries[old])
 
     def prefetch(self, indices) -> None:
         """Start downloading, in the background, the remote shards records ``indices`` are in,
@@ -181,7 +293,7 @@ class PackReader:
         self.remote.set_needed(self.shard_entries[k] for k in self._announced)
 
     def hold_at_most(self, n: int | None) -> None:
-        """Keep at most ``n`` remote shards open (an order's ``open_shards``; None: no change)."""
+        """Keep at most ``n`` shards open (an order's ``open_shards``; None: no change)."""
         if n is not None:
             self.max_open = min(self.max_open, int(n))
 
@@ -193,7 +305,7 @@ class PackReader:
 
     def shard_name(self, k: int) -> str:
         """How errors name shard ``k``: its path, or its URL for a remote pack."""
-        if self.url is not None:
+        if getattr(self, "url", None) is not None:
             return f"{self.url}/{self.shard_entries[k].file}"
         return str(self.shard_path(k))
 
@@ -221,20 +333,30 @@ class PackReader:
         if self.remote is not None:
             for k in list(self._held):
                 self.remote.release(self.shard_entries[k])
-            self._held.clear()
+        self._held.clear()
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_held"] = {}  # holds are this process's file locks
         state["_announced"] = {}  # and downloads are started per process
-        # The index is rebuilt from the shards if needed; datasets keep their own arrays.
-        state.pop("index", None)
+        # A PackIndex pickles as its files' paths (the receiver maps them again); an index
+        # read from the shards of an older pack is read again from them if needed.
+        if not isinstance(state.get("index"), PackIndex):
+            state.pop("index", None)
+        state.pop("_finalizer", None)
+        if state.get("_checks"):
+            state["_checks"] = None  # mapped again from the index files (or read from the shards), not pickled
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._finalizer = weakref.finalize(self, _close_all, self._readers)
 
 
 def open_pack(root: str | Path, *, check_files: bool = True, cache_dir: str | Path | None = None,
               cache_limit: int | str | None = None, storage_options: dict | None = None,
-              endpoint_url: str | None = None, retry_seconds: float = 60.0) -> PackReader:
+              endpoint_url: str | None = None, retry_seconds: float = 60.0,
+              verify_records: bool = True) -> PackReader:
     """Open a packed directory, or a pack at a URL (``s3://``, ``gs://``, ``az://``...) read
     through the node's shard cache (``cache_dir``, ``cache_limit``; ``storage_options``,
     ``endpoint_url`` and ``retry_seconds`` for the store). Nothing is opened until the first
@@ -247,5 +369,5 @@ def open_pack(root: str | Path, *, check_files: bool = True, cache_dir: str | Pa
         remote = RemotePack(str(root), cache_dir=cache_dir, cache_limit=cache_limit,
                             storage_options=storage_options, endpoint_url=endpoint_url,
                             retry_seconds=retry_seconds)
-        return PackReader(str(root), check_files=check_files, remote=remote)
-    return PackReader(root, check_files=check_files)
+        return PackReader(str(root), check_files=check_files, remote=remote, verify_records=verify_records)
+    return PackReader(root, check_files=check_files, verify_records=verify_records)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
+from ..errors import FormatError
 from ..schema import ShardEntry
 
 
@@ -22,6 +24,8 @@ class StringTable:
     """An immutable list of strings stored as one UTF-8 blob plus offsets.
 
     Cheap to pickle and copy-on-read safe in DataLoader workers, unlike a list of str.
+    Encoded with ``surrogateescape``, so a file name that is not UTF-8 (``os.fsdecode`` of
+    arbitrary POSIX bytes) is stored as its original bytes and read back unchanged.
     """
 
     __slots__ = ("blob", "offsets")
@@ -32,7 +36,7 @@ class StringTable:
 
     @classmethod
     def from_strings(cls, items) -> StringTable:
-        encoded = [s.encode("utf-8") for s in items]
+        encoded = [s.encode("utf-8", "surrogateescape") for s in items]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
         blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
@@ -57,7 +61,7 @@ class StringTable:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
-        return self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8")
+        return self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -73,6 +77,7 @@ class ShardIndex:
     labels: np.ndarray  # int64 (n,)
     shapes: np.ndarray  # int32 (n, 3): decoded H, W, C
     paths: StringTable  # source path of each record, relative to the pack's source
+    checksums: np.ndarray | None = None  # uint64 (n,): record_checksum of each record; None in older packs
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -81,12 +86,48 @@ class ShardIndex:
     def concat(cls, parts) -> ShardIndex:
         parts = list(parts)
         if not parts:
-            return cls(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
+            return cls(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]),
+                       np.zeros(0, np.uint64))
+        sums = None
+        if all(p.checksums is not None for p in parts):
+            sums = np.concatenate([p.checksums for p in parts]).astype(np.uint64, copy=False)
         return cls(
             labels=np.concatenate([p.labels for p in parts]).astype(np.int64, copy=False),
             shapes=np.concatenate([p.shapes for p in parts]).astype(np.int32, copy=False).reshape(-1, 3),
             paths=StringTable.concat(p.paths for p in parts),
+            checksums=sums,
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def record_checksum(payload, *, label: int, record: int, shape) -> int:
+    """XXH3-64 of a record's payload, seeded by its label, its number in its shard and its
+    stored (H, W, C): one number that catches a flipped payload byte, a flipped label or shape
+    in any index, and a record swapped with another. XXH3 because it runs at memory speed
+    (~100 GB/s here; CRC32 ~5 GB/s would cost more than the 2% read budget on raw payloads).
+    The one place this rule lives: the writer stores it, :meth:`PackReader.get` and
+    ``fastload verify`` recompute it."""
+    h, w, c = shape
+    seed = ((int(label) * 0x9E3779B97F4A7C15) ^ (int(record) * 0xC2B2AE3D27D4EB4F)
+            ^ (((int(h) << 40) | (int(w) << 16) | int(c)) * 0x165667B19E3779F9)) & _MASK64
+    return xxhash.xxh3_64_intdigest(payload, seed=seed)
+
+
+def check_labels(labels: np.ndarray, num_classes: int, *, where: str, first: int = 0) -> None:
+    """Refuse labels outside ``0..num_classes-1`` (vectorised; ``first``: record number of
+    ``labels[0]``), naming ``where`` and the first bad record."""
+    if not len(labels):
+        return
+    lab = np.asarray(labels)
+    if int(lab.min()) >= 0 and int(lab.max()) < num_classes:
+        return
+    bad = int(np.flatnonzero((lab < 0) | (lab >= num_classes))[0])
+    raise FormatError(
+        f"{where}: record {first + bad} has label {int(lab[bad])}, outside the {num_classes} classes "
+        f"0..{num_classes - 1}: corrupt or edited index; run `fastload verify`"
+    )
 
 
 def file_sha256(path: Path, *, chunk: int = 8 << 20) -> str:
@@ -119,21 +160,26 @@ class ShardWriter(ABC):
     exists, so an interrupted writer never leaves a shard that looks complete.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, pack_id: str | None = None):
         self.path = Path(path)
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self.pack_id = pack_id  # stored in the shard, so a reader can tell a shard of another pack
         self.labels: list[int] = []
         self.shapes: list[tuple[int, int, int]] = []
         self.paths: list[str] = []
+        self.checksums: list[int] = []
         self.payload_bytes = 0
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def append(self, payload: bytes, *, label: int, shape: tuple[int, int, int], path: str) -> None:
-        self._put(len(self.labels), payload)
+        i = len(self.labels)
+        shape = tuple(int(s) for s in shape)
+        self._put(i, payload)
+        self.checksums.append(record_checksum(payload, label=label, record=i, shape=shape))
         self.labels.append(int(label))
-        self.shapes.append(tuple(int(s) for s in shape))
+        self.shapes.append(shape)
         self.paths.append(path)
         self.payload_bytes += len(payload)
 
@@ -142,6 +188,7 @@ class ShardWriter(ABC):
             labels=np.asarray(self.labels, dtype=np.int64),
             shapes=np.asarray(self.shapes, dtype=np.int32).reshape(-1, 3),
             paths=StringTable.from_strings(self.paths),
+            checksums=np.asarray(self.checksums, dtype=np.uint64),
         )
 
     def finish(self) -> ShardEntry:
@@ -149,9 +196,14 @@ class ShardWriter(ABC):
         self._finalize(self.index())
         sha = file_sha256(self.tmp_path)
         size = self.tmp_path.stat().st_size
+        extra = self._entry_extra()
         os.replace(self.tmp_path, self.path)
         fsync_dir(self.path.parent)
-        return ShardEntry(file=self.path.name, num_samples=len(self), bytes=size, sha256=sha)
+        return ShardEntry(file=self.path.name, num_samples=len(self), bytes=size, sha256=sha, **extra)
+
+    def _entry_extra(self) -> dict:
+        """More fields of the shard's manifest entry (computed on ``tmp_path``)."""
+        return {}
 
     @abstractmethod
     def _put(self, i: int, payload: bytes) -> None: ...
@@ -168,10 +220,16 @@ class ShardWriter(ABC):
 class ShardReader(ABC):
     """Reads one shard. Opens nothing until the first read; reopens after fork; pickles small."""
 
-    def __init__(self, path: Path, num_samples: int):
+    def __init__(self, path: Path, num_samples: int, *, pack_id: str | None = None, name: str | None = None):
         self.path = Path(path)
         self.num_samples = int(num_samples)
+        self.pack_id = pack_id  # the manifest's; None (older packs): not checked
+        self._name = name  # how errors name the shard when not by its path (a remote pack's URL)
         self._pid: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name or str(self.path)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -183,6 +241,21 @@ class ShardReader(ABC):
             self._drop()
             self._open()
             self._pid = pid
+            if self.pack_id is not None:
+                self._check_pack_id()
+
+    def _check_pack_id(self) -> None:
+        found = self._stored_pack_id()
+        if found != self.pack_id:
+            self.close()
+            raise FormatError(
+                f"{self.name} belongs to another pack (repacked since this dataset was opened?): "
+                f"open the dataset again (shard pack id {found!r}, manifest {self.pack_id!r})"
+            )
+
+    @abstractmethod
+    def _stored_pack_id(self) -> str | None:
+        """The pack id written into the open shard (None: none)."""
 
     def get(self, i: int):
         """The payload of record ``i`` as a zero-copy buffer, valid until ``close()``."""

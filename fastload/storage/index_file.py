@@ -12,6 +12,11 @@ Layout (little-endian; every section starts at a multiple of 64 bytes)::
     shapes       int32[n, 3]        decoded (H, W, C)
     path_offsets int64[n + 1]       into path_blob
     path_blob    uint8[...]         UTF-8 source paths, relative to the pack's source folder
+    checksums    uint64[n]          record_checksum of each record (version 2)
+
+The JSON header of version 2 also holds "version" and "pack_id". Version 1 files (no "version"
+key) have no checksums section and no pack id; they still read, without the read-time check.
+The magic stays ``FLINDEX1`` so the change is additive: an older fastload skips the section.
 
 Packs made before this file existed have none; readers then build the index from the shards.
 """
@@ -32,6 +37,7 @@ from .base import ShardIndex, StringTable
 __all__ = ["INDEX_SUFFIX", "index_name", "read_index_file", "write_index_file"]
 
 MAGIC = b"FLINDEX1"
+INDEX_VERSION = 2
 INDEX_SUFFIX = ".fli"
 _ALIGN = 64
 _SECTIONS = (("labels", np.int64, 1), ("shapes", np.int32, 3), ("path_offsets", np.int64, 1), ("path_blob", np.uint8, 1))
@@ -46,7 +52,7 @@ def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def write_index_file(path: Path, index: ShardIndex) -> tuple[int, str]:
+def write_index_file(path: Path, index: ShardIndex, *, pack_id: str | None = None) -> tuple[int, str]:
     """Write ``index`` to ``path`` atomically (temp name, fsync, rename); returns (bytes, SHA-256)."""
     arrays = {
         "labels": np.ascontiguousarray(index.labels, dtype="<i8"),
@@ -55,6 +61,10 @@ def write_index_file(path: Path, index: ShardIndex) -> tuple[int, str]:
         "path_blob": np.ascontiguousarray(index.paths.blob, dtype=np.uint8),
     }
     n = len(arrays["labels"])
+    if index.checksums is not None:
+        arrays["checksums"] = np.ascontiguousarray(index.checksums, dtype="<u8")
+        if len(arrays["checksums"]) != n:
+            raise ValueError("index arrays disagree on the number of records")
     if len(arrays["shapes"]) != n or len(arrays["path_offsets"]) != n + 1:
         raise ValueError("index arrays disagree on the number of records")
     sections, offset = {}, 0
@@ -65,7 +75,10 @@ def write_index_file(path: Path, index: ShardIndex) -> tuple[int, str]:
     for name, a in arrays.items():
         sections[name] = [offset, int(a.nbytes)]
         offset = _pad(offset + a.nbytes)
-    header = json.dumps({"num_samples": n, "sections": sections}).encode()
+    head_doc: dict = {"num_samples": n, "sections": sections, "version": INDEX_VERSION}
+    if pack_id is not None:
+        head_doc["pack_id"] = pack_id
+    header = json.dumps(head_doc).encode()
     if 16 + len(header) > header_block:  # pragma: no cover - the header is ~200 bytes
         raise ValueError("index header too large")
     tmp = path.with_name(path.name + ".tmp")
@@ -90,9 +103,10 @@ def write_index_file(path: Path, index: ShardIndex) -> tuple[int, str]:
     return _pad(pos), digest.hexdigest()
 
 
-def read_index_file(path: Path, *, num_samples: int | None = None) -> ShardIndex:
+def read_index_file(path: Path, *, num_samples: int | None = None, pack_id: str | None = None) -> ShardIndex:
     """The index in ``path``, memory-mapped read-only (nothing is copied; pages are shared by
-    every process that maps the file). ``num_samples``: what the manifest says, checked."""
+    every process that maps the file). ``num_samples``: what the manifest says, checked;
+    ``pack_id``: the manifest's, checked when given."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -100,7 +114,11 @@ def read_index_file(path: Path, *, num_samples: int | None = None) -> ShardIndex
             if len(head) < 16 or head[:8] != MAGIC:
                 raise FormatError(f"{path}: not a fastload index file (run `fastload verify` on the pack)")
             (hlen,) = struct.unpack("<Q", head[8:])
+            if hlen > 1 << 20:
+                raise ValueError(f"header length {hlen}")
             header = json.loads(f.read(hlen))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
         size = path.stat().st_size
     except FileNotFoundError:
         raise FormatError(f"{path}: index file listed in the manifest is missing") from None
@@ -108,20 +126,47 @@ def read_index_file(path: Path, *, num_samples: int | None = None) -> ShardIndex
         raise FormatError(f"{path}: unreadable index file ({exc})") from None
     try:
         n = int(header["num_samples"])
+        version = int(header.get("version", 1))
         sections = {k: (int(v[0]), int(v[1])) for k, v in header["sections"].items()}
+        found_id = header.get("pack_id")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise FormatError(f"{path}: damaged index file ({exc}); run `fastload verify` on the pack") from None
+    if version > INDEX_VERSION:
+        raise FormatError(f"{path}: index file version {version} is newer than this fastload; upgrade fastload")
+    if pack_id is not None and found_id != pack_id:
+        raise FormatError(f"{path} belongs to another pack (repacked since this dataset was opened?): "
+                          "open the dataset again")
+    try:
         views = {}
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-        for name, dtype, width in _SECTIONS:
+        wanted = _SECTIONS + ((("checksums", np.uint64, 1),) if "checksums" in sections else ())
+        for name, dtype, width in wanted:
             start, nbytes = sections[name]
-            if start < 0 or nbytes < 0 or start + nbytes > size:
+            if start < 0 or nbytes < 0 or start + nbytes > size or start % 8 or nbytes % np.dtype(dtype).itemsize:
                 raise ValueError(f"section {name} lies outside the file")
             views[name] = mm[start : start + nbytes].view(np.dtype(dtype).newbyteorder("<"))
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{path}: damaged index file ({exc}); run `fastload verify` on the pack") from None
+    if len(views["shapes"]) % 3:
+        raise FormatError(f"{path}: damaged index file (shapes section size); run `fastload verify` on the pack")
     labels, shapes = views["labels"], views["shapes"].reshape(-1, 3)
     offsets, blob = views["path_offsets"], views["path_blob"]
-    if len(labels) != n or len(shapes) != n or len(offsets) != n + 1 or (n and int(offsets[-1]) != len(blob)):
+    sums = views.get("checksums")
+    if (len(labels) != n or len(shapes) != n or len(offsets) != n + 1 or (n and int(offsets[-1]) != len(blob))
+            or (sums is not None and len(sums) != n)):
         raise FormatError(f"{path}: damaged index file (section sizes disagree); run `fastload verify` on the pack")
+    if n and (int(offsets[0]) != 0 or not _ascending(offsets)):
+        raise FormatError(f"{path}: damaged index file (path offsets out of order); run `fastload verify` on the pack")
     if num_samples is not None and n != num_samples:
         raise FormatError(f"{path}: index holds {n} records, the manifest says {num_samples}")
-    return ShardIndex(labels, shapes, StringTable(blob, offsets))
+    return ShardIndex(labels, shapes, StringTable(blob, offsets), sums)
+
+
+def _ascending(a: np.ndarray, *, chunk: int = 1 << 20) -> bool:
+    """Whether ``a`` never decreases, checked a chunk at a time: a temporary of the whole
+    array (``np.diff``) would cost every process that opens a 10M-record pack ~90 MB."""
+    for lo in range(0, len(a) - 1, chunk):
+        hi = min(lo + chunk, len(a) - 1)
+        if np.any(a[lo + 1 : hi + 1] < a[lo:hi]):
+            return False
+    return True

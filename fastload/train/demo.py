@@ -57,7 +57,9 @@ class DemoConfig:
         if self.pack_resize < self.crop:
             raise ValueError(f"pack_resize ({self.pack_resize}) must be >= crop ({self.crop})")
         if min(self.image_size) < self.pack_resize:
-            raise ValueError(f"image_size {self.image_size} is smaller than pack_resize {self.pack_resize}")
+            h, w = self.image_size
+            raise ValueError(f"image size {h}x{w} (HxW) has a side shorter than the packed size {self.pack_resize}: "
+                             f"both sides must be >= {self.pack_resize}")
         if self.train_per_class * self.classes < self.batch_size:
             raise ValueError(f"{self.train_per_class * self.classes} training images are fewer than one "
                              f"batch of {self.batch_size}: lower --batch-size")
@@ -115,8 +117,8 @@ def _prepare_data(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[Path, Pa
     stamp.unlink(missing_ok=True)
     n_train, n_val = cfg.classes * cfg.train_per_class, cfg.classes * cfg.val_per_class
     t0 = time.perf_counter()
-    say(f"generating {n_train} + {n_val} sample JPEGs ({cfg.classes} classes, {cfg.image_size[1]}x"
-        f"{cfg.image_size[0]}) from the bundled photos into {images}")
+    say(f"generating {n_train} + {n_val} sample JPEGs ({cfg.classes} classes, {cfg.image_size[0]}x"
+        f"{cfg.image_size[1]} HxW) from the bundled photos into {images}")
     make_image_folder(images / "train", num_classes=cfg.classes, per_class=cfg.train_per_class,
                       size=cfg.image_size, seed=cfg.seed, workers=cfg.workers)
     make_image_folder(images / "val", num_classes=cfg.classes, per_class=cfg.val_per_class,

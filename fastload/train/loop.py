@@ -51,7 +51,7 @@ from ..gpu.pinning import HostHold
 from ..gpu.transforms import apply_scale_shift
 from ..normalization import IMAGENET, Normalization, as_normalization, scale_shift
 from .distributed import DistInfo, all_reduce_sum, barrier
-from .utils import peak_memory_bytes, reset_peak_memory
+from .utils import load_checkpoint_file, peak_memory_bytes, plain_state, reset_peak_memory
 
 __all__ = [
     "EpochStats",
@@ -555,8 +555,9 @@ class Trainer:
             "world_size": self.dist.world_size,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "history": self.history,
-            "loader": loader.state_dict() if (loader is not None and hasattr(loader, "state_dict")) else None,
+            # torch's own states above load with weights_only=True as they are; ours are made plain
+            "history": plain_state(self.history),
+            "loader": plain_state(loader.state_dict()) if hasattr(loader, "state_dict") else None,
         }
         return state
 
@@ -573,18 +574,19 @@ class Trainer:
             os.replace(tmp, path)
         barrier()
 
-    def load_checkpoint(self, path: str | Path, *, loader: Any = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path, *, loader: Any = None,
+                        allow_unsafe_checkpoint: bool = False) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save_checkpoint` (and the loader's position).
 
-        A checkpoint is a pickle: load only files you (or your training job) wrote.
+        Loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, so a
+        file that carries arbitrary pickled objects cannot run code here; it is refused with
+        :class:`~fastload.errors.FormatError`. ``allow_unsafe_checkpoint=True`` loads such a
+        file (e.g. an older fastload's checkpoint) with full unpickling: only for files you trust.
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(2, "no such checkpoint file", str(path))
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as exc:
-            raise FormatError(f"{path}: cannot read checkpoint ({exc})") from exc
+        state = load_checkpoint_file(path, map_location=self.device, allow_unsafe=allow_unsafe_checkpoint)
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise FormatError(f"{path}: not a fastload training checkpoint")
         if state.get("version") != CHECKPOINT_VERSION:

@@ -1,4 +1,5 @@
-"""Small helpers the field keeps re-typing: seeding, in-place ReLU, Conv+BN fusion, bias drop.
+"""Small helpers the field keeps re-typing: seeding, in-place ReLU, Conv+BN fusion, bias drop,
+and checkpoint files that load with ``torch.load(weights_only=True)``.
 
 Each transformation returns a model that computes the same function (tested numerically);
 they exist to save memory (in-place ReLU), time at inference (fusion) or parameters (bias).
@@ -6,20 +7,29 @@ they exist to save memory (in-place ReLU), time at inference (fusion) or paramet
 
 from __future__ import annotations
 
+import enum
 import os
+import pickle
 import random
 import resource
 import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..errors import FormatError
+
 __all__ = [
     "drop_conv_bias_before_bn",
     "fuse_conv_bn",
     "fuse_conv_bn_eval",
+    "load_checkpoint_file",
     "peak_memory_bytes",
+    "plain_state",
     "relu_inplace",
     "reset_peak_memory",
     "seed_everything",
@@ -151,3 +161,61 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes, Linux: KiB
+
+
+# -- checkpoint files ------------------------------------------------------------------
+
+
+def plain_state(obj: Any) -> Any:
+    """``obj`` built only of what ``torch.load(weights_only=True)`` rebuilds: tensors, numbers,
+    strings, bytes, None, and dicts, lists, tuples and sets of them. Numpy arrays become
+    tensors, numpy scalars numbers, dataclasses dicts, enums their values; anything else is a
+    TypeError now rather than a checkpoint that cannot be loaded safely later."""
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
+                                       torch.device, torch.Size)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return plain_state(obj.value)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return plain_state(asdict(obj))
+    if isinstance(obj, dict):
+        return {plain_state(k): plain_state(v) for k, v in obj.items()}
+    for kind in (list, tuple, set):  # a subclass (a namedtuple, say) as its plain base type
+        if isinstance(obj, kind):
+            return kind(plain_state(v) for v in obj)
+    if isinstance(obj, frozenset):
+        return set(map(plain_state, obj))
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint (tensors, numbers, strings, "
+                    "dicts, lists, tuples and sets only, so it loads with weights_only=True)")
+
+
+def load_checkpoint_file(path: str | Path, *, map_location: Any = "cpu", allow_unsafe: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)``; a file that needs full unpickling is refused
+    with one line saying so, unless ``allow_unsafe`` (the caller trusts the file)."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=not allow_unsafe)
+    except pickle.UnpicklingError as exc:
+        if "global" not in str(exc).lower():  # garbage, truncated or not a torch file at all
+            raise FormatError(f"{path}: cannot read checkpoint (corrupt, truncated or not a torch "
+                              "checkpoint file)") from exc
+        raise FormatError(
+            f"{path}: the checkpoint holds pickled Python objects that weights_only loading refuses "
+            f"({_first_line(exc, 'global')}); if you wrote it yourself (an older fastload's checkpoint), "
+            "load it once with load_checkpoint(..., allow_unsafe_checkpoint=True) and save it again"
+        ) from exc
+    except Exception as exc:
+        raise FormatError(f"{path}: cannot read checkpoint ({_first_line(exc)})") from exc
+
+
+def _first_line(exc: BaseException, prefer: str | None = None) -> str:
+    """A one-line summary of ``exc``: its first line mentioning ``prefer`` (any case) if any."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if prefer is not None:
+        for ln in lines:
+            if prefer in ln.lower():
+                return ln.split(". Please use")[0].rstrip(".")[:200]
+    return (lines[0] if lines else type(exc).__name__)[:200]
