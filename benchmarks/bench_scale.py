@@ -370,6 +370,9 @@ def synth_pack(dest: Path, n: int, *, copies: int = 1) -> Path:
         entries.append(ShardEntry(file=name, num_samples=entry.num_samples, bytes=entry.bytes, sha256=entry.sha256))
     index = one if copies == 1 else ShardIndex.concat([one] * copies)
     del one
+    from fastload.storage.lmdb_backend import with_record_locations  # as the packer does (issue 16)
+
+    index = with_record_locations(index, [(dest / e.file, e.num_samples) for e in entries])
     iname = index_name("")
     size, digest = write_index_file(dest / iname, index, pack_id=_SYNTH_PACK_ID)
     del index

@@ -655,6 +655,10 @@ class _PackRun:
         index = ShardIndex.concat(
             make_shard_reader(self.cfg.backend, self.dest / e.file, e.num_samples).read_index() for e in self.entries
         )
+        if self.cfg.backend == "lmdb":
+            from .storage.lmdb_backend import with_record_locations
+
+            index = with_record_locations(index, [(self.dest / e.file, e.num_samples) for e in self.entries])
         size, digest = write_index_file(self.dest / name, index, pack_id=self.pack_id)
         return ShardEntry(file=name, num_samples=len(index), bytes=size, sha256=digest)
 
@@ -871,7 +875,8 @@ def _write_failure(exc: Exception, dest: Path, tmp_size: int) -> PackError | Non
     if io_error and not full:
         # LMDB turns a short write (what a full disk or a file-size limit gives) into EIO.
         full = _looks_full(dest, tmp_size)
-    why = getattr(exc, "strerror", None) or str(exc)
+    # One line whatever the library gave (h5py's messages carry HDF5's error stack).
+    why = " ".join(str(getattr(exc, "strerror", None) or exc).split())
     if full:
         return PackError(
             f"{dest}: disk full while writing ({why}); free space and rerun the same command to resume"

@@ -6,6 +6,7 @@ import json
 import resource
 import shlex
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -335,3 +336,38 @@ def test_output_into_a_closed_pipe_is_quiet(tmp_path):
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=cli_env())
     assert out.stderr == ""
     assert out.returncode == 141
+
+
+@pytest.fixture
+def tmpfs_2m(tmp_path):
+    """A real 2 MB tmpfs (a disk that fills up), mounted for the test and unmounted after."""
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+def test_a_really_full_disk_is_one_line_for_both_formats(tmp_path, tmpfs_2m, backend):
+    """A real ENOSPC (not a file-size limit): HDF5's error stack must not spill a second line."""
+    src = make_jpeg_tree(tmp_path / "src", classes=1, per_class=4)
+    noise = np.random.default_rng(2).integers(0, 256, (700, 700, 3), dtype=np.uint8)
+    for k in range(3):  # ~1.5 MB each as PNG: the second cannot fit
+        save(Image.fromarray(np.roll(noise, k, axis=0)), src / "c1" / f"big{k}.png")
+    dest = tmpfs_2m / "dest"
+    proc = subprocess.run([sys.executable, "-m", "fastload", "pack", str(src), str(dest), "--format", backend,
+                           "--payload", "png", "--shard-size", "1M", "--workers", "1"],
+                          capture_output=True, text=True, env=cli_env(), timeout=120)
+    _one_error_line(proc, 1, "disk full", str(dest), "rerun")
+    assert not (dest / "manifest.json").exists()

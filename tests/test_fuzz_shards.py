@@ -144,6 +144,19 @@ def _path_blob_offsets(path: Path) -> list[int]:
     return list(range(start, start + size))
 
 
+def _location_offsets(path: Path) -> list[int]:
+    """Every byte of the index file's record-location sections (LMDB packs): a wrong location
+    must be caught by the bounds check or the record checksum, a wrong pack-id place by the walk."""
+    raw = path.read_bytes()
+    header = json.loads(raw[16 : 16 + int.from_bytes(raw[8:16], "little")])
+    out: list[int] = []
+    for name in ("record_offsets", "record_sizes", "pack_id_at"):
+        if name in header["sections"]:
+            start, size = header["sections"][name]
+            out += range(start, start + size)
+    return out
+
+
 def _cases(pack: Path, backend: str, *, random_per_file: int) -> list[tuple[str, int, int]]:
     """(file, offset, xor mask) of every case: every structural byte of the first shard, of the
     index file's header and (LMDB run) of the manifest; seeded random bytes of every file. HDF5
@@ -160,7 +173,8 @@ def _cases(pack: Path, backend: str, *, random_per_file: int) -> list[tuple[str,
             meta = _hdf5_structural_offsets(p)
             structural = [o for o in meta if o < 1024] + rnd.sample([o for o in meta if o >= 1024], 1500)
         elif p.suffix == ".fli":
-            structural = list(range(0, 512)) + _path_blob_offsets(p)  # magic, JSON header, source paths
+            # magic, JSON header, source paths, record locations
+            structural = list(range(0, 512)) + _path_blob_offsets(p) + _location_offsets(p)
         elif p.name == "manifest.json" and backend == "lmdb":  # every byte (once: it is the same JSON)
             structural = list(range(size))
         else:

@@ -436,3 +436,57 @@ def test_damaged_hdf5_metadata_is_refused_before_the_hdf5_library_reads_it(tmp_p
     with pytest.raises(FormatError, match="metadata checksum does not match the manifest.*fastload verify"):
         r.get(0)
     r.close()
+
+
+# -- property: any single-byte flip of a record is caught ----------------------------------------
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def flip_pack(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"flip-{request.param}")
+    return make_pack(_tree(root / "src"), root / "pack", backend=request.param, payload="png", shard_size=3_000)
+
+
+@pytest.mark.timeout(300)
+def test_any_single_byte_flip_of_a_record_is_caught(flip_pack):
+    """Hypothesis picks the record, the byte (payload, or its label in the index) and the XOR
+    mask; the flipped record is never served, every other record still is, and restoring the
+    byte restores the record."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    locations = {i: _record_at(flip_pack, i) for i in range(N)}
+    labels_at, _ = _index_array(flip_pack, "labels")
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(i=st.integers(0, N - 1), where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255),
+           in_label=st.booleans())
+    def check(i, where, mask, in_label):
+        shard, at, payload = locations[i]
+        if in_label:  # one of the 8 bytes of its int64 label in index.fli
+            path, pos = flip_pack / "index.fli", labels_at + 8 * i + int(where * 8)
+        else:
+            path, pos = shard, at + int(where * len(payload))
+        original = path.read_bytes()[pos]
+        _write_at(path, pos, bytes([original ^ mask]))
+        try:
+            # A label flipped out of the class list is refused when the pack opens; any other
+            # flip when the record is read.
+            with pytest.raises(FormatError, match=r"record \d+"):
+                r = open_pack(flip_pack)
+                try:
+                    bytes(r.get(i))
+                finally:
+                    r.close()
+            if not in_label:  # the other records of the shard are still served
+                r = open_pack(flip_pack)
+                neighbour = (i + 1) % N
+                assert bytes(r.get(neighbour)) == locations[neighbour][2]
+                r.close()
+        finally:
+            _write_at(path, pos, bytes([original]))
+        r = open_pack(flip_pack)
+        assert bytes(r.get(i)) == payload
+        r.close()
+
+    check()

@@ -7,17 +7,19 @@ shard readers, it opens no file handle until a record is read, and pickles small
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import CorruptRecordError, FormatError
 from ..schema import BACKENDS, Manifest, ShardEntry, find_manifests
-from .base import ShardIndex, ShardReader, ShardWriter, StringTable, check_labels, file_sha256, record_checksum
-from .pack_index import PackIndex, PartedArray
+from .base import ShardIndex, ShardReader, ShardWriter, StringTable, checksum_seed, check_labels, file_sha256, record_checksum
+from .pack_index import PackIndex, PartedArray, ShardLocations
 
 __all__ = [
     "PackReader",
@@ -46,13 +48,15 @@ def make_shard_writer(backend: str, path: Path, *, shard_size: int = 1 << 30, pa
 
 
 def make_shard_reader(backend: str, path: Path, num_samples: int, *, pack_id: str | None = None,
-                      name: str | None = None, entry: ShardEntry | None = None) -> ShardReader:
+                      name: str | None = None, entry: ShardEntry | None = None,
+                      locations: ShardLocations | None = None) -> ShardReader:
     """A reader of one shard; ``entry`` (its manifest entry) carries what the backend checks
-    before trusting the file (HDF5: the metadata checksum)."""
+    before trusting the file (HDF5: the metadata checksum); ``locations``: where the pack's
+    index file says its records lie (LMDB: read from there instead of walking the shard)."""
     if backend == "lmdb":
         from .lmdb_backend import LMDBShardReader
 
-        return LMDBShardReader(path, num_samples, pack_id=pack_id, name=name)
+        return LMDBShardReader(path, num_samples, pack_id=pack_id, name=name, locations=locations)
     if backend == "hdf5":
         from .hdf5_backend import HDF5ShardReader
 
@@ -84,6 +88,12 @@ def _close_all(readers: list[ShardReader]) -> None:
             r.close()
         except Exception:  # pragma: no cover - best effort at garbage collection
             pass
+
+
+def _plain(labels, shapes, sums) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same memory as plain ndarrays (shapes flat): indexing an ``np.memmap`` builds a
+    memmap view each time, which made the per-read check twice as slow."""
+    return np.asarray(labels), np.asarray(shapes).reshape(-1), np.asarray(sums)
 
 
 class PackReader:
@@ -123,14 +133,31 @@ class PackReader:
         counts = np.asarray([s.num_samples for s in entries], dtype=np.int64)
         self.shard_starts = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.shard_starts[1:])
+        self._starts_list: list[int] = self.shard_starts.tolist()  # for bisect on every read
         shapes = {m.image_shape for m in self.manifests}
         self.image_shape = shapes.pop() if len(shapes) == 1 else None
         if check_files and remote is None:
             self._check_files()
         ids = [m.pack_id for m in self.manifests for _ in m.shards]
+        # The pack's index files, mapped on first use; shared by :attr:`index` and the shard
+        # readers (which take record locations from it instead of walking their shards).
+        self._pack_index: PackIndex | None = None
+        if entries and all(m.index is not None for m in self.manifests):
+            self._pack_index = PackIndex([(self.root / m.index.file, m.num_samples, getattr(m, "pack_id", None))
+                                          for m in self.manifests], [m.index.sha256 for m in self.manifests])
+        locations: list[ShardLocations | None] = [None] * len(entries)
+        if self._pack_index is not None and self.backend == "lmdb":
+            k = 0
+            for m, mf in enumerate(self.manifests):
+                first = 0
+                for j, s in enumerate(mf.shards):
+                    locations[k] = ShardLocations(self._pack_index, m, first, s.num_samples, j)
+                    first += s.num_samples
+                    k += 1
         self._readers: list[ShardReader] = [
             make_shard_reader(self.backend, self.shard_path(k), s.num_samples, pack_id=ids[k],
-                              name=self.shard_name(k) if remote is not None else None, entry=s)
+                              name=self.shard_name(k) if remote is not None else None, entry=s,
+                              locations=locations[k])
             for k, s in enumerate(entries)
         ]
         # Close this process's shards when the reader is dropped (the list is shared, not self).
@@ -176,9 +203,8 @@ class PackReader:
         handles (a private copy)."""
         if not self._readers:
             index = ShardIndex(np.zeros(0, np.int64), np.zeros((0, 3), np.int32), StringTable.from_strings([]))
-        elif all(m.index is not None for m in self.manifests):
-            index = PackIndex([(self.root / m.index.file, m.num_samples, getattr(m, "pack_id", None))
-                               for m in self.manifests], [m.index.sha256 for m in self.manifests]).open()
+        elif self._pack_index is not None:
+            index = self._pack_index.open()
             labels = index.labels.parts if isinstance(index.labels, PartedArray) else [index.labels]
             for m, lab in zip(self.manifests, labels):  # part by part: no joined copy of N labels
                 check_labels(lab, len(self.classes), where=str(self.root / m.index.file))
@@ -209,9 +235,9 @@ class PackReader:
             elif isinstance(index, PackIndex) and len(index.files) > 1:
                 starts = index.starts.tolist()
                 parts = zip(index.labels.parts, index.shapes.parts, sums.parts)
-                self._checks = tuple((starts[m], *arrs) for m, arrs in enumerate(parts))
+                self._checks = tuple((starts[m], *_plain(*arrs)) for m, arrs in enumerate(parts))
             else:
-                self._checks = ((0, index.labels, index.shapes, sums),)
+                self._checks = ((0, *_plain(index.labels, index.shapes, sums)),)
             if self._checks:
                 part_of = [m for m, mf in enumerate(self.manifests) for _ in mf.shards]
                 self._part_of_shard = part_of if len(self._checks) > 1 else None
@@ -228,8 +254,9 @@ class PackReader:
         if not -n <= i < n:
             raise IndexError(f"record {i} out of range for a pack of {n}")
         i %= n
-        k = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
-        return k, i - int(self.shard_starts[k])
+        starts = self._starts_list
+        k = bisect.bisect_right(starts, i) - 1  # 20x cheaper than np.searchsorted for one value
+        return k, i - starts[k]
 
     def get(self, i: int):
         """Payload of global record ``i``: a zero-copy buffer valid until ``close()``, or until a
@@ -246,11 +273,14 @@ class PackReader:
         if self.verify_records:
             checks = self._checks if self._checks is not None else self._record_checks()
             if checks:
-                g = int(self.shard_starts[k]) + j
+                g = self._starts_list[k] + j
                 start, labels, shapes, sums = checks[self._part_of_shard[k] if len(checks) > 1 else 0]
                 r = g - start
-                # .item()/.tolist(): Python ints, three times cheaper than numpy scalars here
-                if record_checksum(buf, label=labels.item(r), record=j, shape=shapes[r].tolist()) != sums.item(r):
+                # record_checksum's rule, with the Python ints .item() gives (three times cheaper
+                # than numpy scalars): this runs on every read.
+                b = 3 * r
+                seed = checksum_seed(labels.item(r), j, shapes.item(b), shapes.item(b + 1), shapes.item(b + 2))
+                if xxhash.xxh3_64_intdigest(buf, seed) != sums.item(r):
                     raise self._corrupt(k, j, g)
         return buf
 

@@ -78,6 +78,11 @@ class ShardIndex:
     shapes: np.ndarray  # int32 (n, 3): decoded H, W, C
     paths: StringTable  # source path of each record, relative to the pack's source
     checksums: np.ndarray | None = None  # uint64 (n,): record_checksum of each record; None in older packs
+    # Where each record lies in its shard file (LMDB packs' index files; None otherwise): what
+    # lets a reader slice records from shared maps instead of walking each shard privately.
+    record_offsets: np.ndarray | None = None  # uint64 (n,): file offset of each record's bytes
+    record_sizes: np.ndarray | None = None  # uint32 (n,): size of each record
+    pack_id_at: np.ndarray | None = None  # uint64 (shards, 2): (offset, size) of each shard's pack id
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -110,9 +115,14 @@ def record_checksum(payload, *, label: int, record: int, shape) -> int:
     The one place this rule lives: the writer stores it, :meth:`PackReader.get` and
     ``fastload verify`` recompute it."""
     h, w, c = shape
-    seed = ((int(label) * 0x9E3779B97F4A7C15) ^ (int(record) * 0xC2B2AE3D27D4EB4F)
-            ^ (((int(h) << 40) | (int(w) << 16) | int(c)) * 0x165667B19E3779F9)) & _MASK64
-    return xxhash.xxh3_64_intdigest(payload, seed=seed)
+    return xxhash.xxh3_64_intdigest(payload, checksum_seed(int(label), int(record), int(h), int(w), int(c)))
+
+
+def checksum_seed(label: int, record: int, h: int, w: int, c: int) -> int:
+    """The seed of :func:`record_checksum` from Python ints (the per-read check calls it
+    directly with ints it already has: this is on every read's path)."""
+    return ((label * 0x9E3779B97F4A7C15) ^ (record * 0xC2B2AE3D27D4EB4F)
+            ^ (((h << 40) | (w << 16) | c) * 0x165667B19E3779F9)) & _MASK64
 
 
 def check_labels(labels: np.ndarray, num_classes: int, *, where: str, first: int = 0) -> None:

@@ -13,10 +13,16 @@ Layout (little-endian; every section starts at a multiple of 64 bytes)::
     path_offsets int64[n + 1]       into path_blob
     path_blob    uint8[...]         UTF-8 source paths, relative to the pack's source folder
     checksums    uint64[n]          record_checksum of each record (version 2)
+    record_offsets uint64[n]        LMDB packs: where each record's bytes start in its shard file
+    record_sizes   uint32[n]        LMDB packs: each record's size in bytes
+    pack_id_at     uint64[shards, 2] LMDB packs: (offset, size) of each shard's pack-id value
 
 The JSON header of version 2 also holds "version" and "pack_id". Version 1 files (no "version"
 key) have no checksums section and no pack id; they still read, without the read-time check.
 The magic stays ``FLINDEX1`` so the change is additive: an older fastload skips the section.
+The three location sections (issue 16) are additive too: with them a reader slices records
+from the shared map of this file instead of walking each shard's B-tree into private arrays;
+without them (older packs, HDF5) it walks as before.
 
 Packs made before this file existed have none; readers then build the index from the shards.
 """
@@ -41,6 +47,8 @@ INDEX_VERSION = 2
 INDEX_SUFFIX = ".fli"
 _ALIGN = 64
 _SECTIONS = (("labels", np.int64, 1), ("shapes", np.int32, 3), ("path_offsets", np.int64, 1), ("path_blob", np.uint8, 1))
+_OPTIONAL = (("checksums", np.uint64), ("record_offsets", np.uint64), ("record_sizes", np.uint32),
+             ("pack_id_at", np.uint64))
 
 
 def index_name(prefix: str) -> str:
@@ -64,6 +72,12 @@ def write_index_file(path: Path, index: ShardIndex, *, pack_id: str | None = Non
     if index.checksums is not None:
         arrays["checksums"] = np.ascontiguousarray(index.checksums, dtype="<u8")
         if len(arrays["checksums"]) != n:
+            raise ValueError("index arrays disagree on the number of records")
+    if index.record_offsets is not None:
+        arrays["record_offsets"] = np.ascontiguousarray(index.record_offsets, dtype="<u8")
+        arrays["record_sizes"] = np.ascontiguousarray(index.record_sizes, dtype="<u4")
+        arrays["pack_id_at"] = np.ascontiguousarray(index.pack_id_at, dtype="<u8").reshape(-1, 2)
+        if len(arrays["record_offsets"]) != n or len(arrays["record_sizes"]) != n:
             raise ValueError("index arrays disagree on the number of records")
     if len(arrays["shapes"]) != n or len(arrays["path_offsets"]) != n + 1:
         raise ValueError("index arrays disagree on the number of records")
@@ -139,10 +153,14 @@ def read_index_file(path: Path, *, num_samples: int | None = None, pack_id: str 
     try:
         views = {}
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-        wanted = _SECTIONS + ((("checksums", np.uint64, 1),) if "checksums" in sections else ())
+        locs = [k for k in ("record_offsets", "record_sizes", "pack_id_at") if k in sections]
+        if locs and len(locs) != 3:
+            raise ValueError("record location sections incomplete")
+        wanted = _SECTIONS + tuple((name, dtype, 1) for name, dtype in _OPTIONAL if name in sections)
         for name, dtype, width in wanted:
             start, nbytes = sections[name]
-            if start < 0 or nbytes < 0 or start + nbytes > size or start % 8 or nbytes % np.dtype(dtype).itemsize:
+            if (start < 0 or nbytes < 0 or start + nbytes > size or start % 8 or nbytes % np.dtype(dtype).itemsize
+                    or (name == "pack_id_at" and nbytes % 16)):
                 raise ValueError(f"section {name} lies outside the file")
             views[name] = mm[start : start + nbytes].view(np.dtype(dtype).newbyteorder("<"))
     except (KeyError, TypeError, ValueError) as exc:
@@ -152,14 +170,18 @@ def read_index_file(path: Path, *, num_samples: int | None = None, pack_id: str 
     labels, shapes = views["labels"], views["shapes"].reshape(-1, 3)
     offsets, blob = views["path_offsets"], views["path_blob"]
     sums = views.get("checksums")
+    rec_off, rec_size = views.get("record_offsets"), views.get("record_sizes")
     if (len(labels) != n or len(shapes) != n or len(offsets) != n + 1 or (n and int(offsets[-1]) != len(blob))
-            or (sums is not None and len(sums) != n)):
+            or (sums is not None and len(sums) != n)
+            or (rec_off is not None and (len(rec_off) != n or len(rec_size) != n))):
         raise FormatError(f"{path}: damaged index file (section sizes disagree); run `fastload verify` on the pack")
     if n and (int(offsets[0]) != 0 or not _ascending(offsets)):
         raise FormatError(f"{path}: damaged index file (path offsets out of order); run `fastload verify` on the pack")
     if num_samples is not None and n != num_samples:
         raise FormatError(f"{path}: index holds {n} records, the manifest says {num_samples}")
-    return ShardIndex(labels, shapes, StringTable(blob, offsets), sums)
+    id_at = views.get("pack_id_at")
+    return ShardIndex(labels, shapes, StringTable(blob, offsets), sums, record_offsets=rec_off,
+                      record_sizes=rec_size, pack_id_at=None if id_at is None else id_at.reshape(-1, 2))
 
 
 def _ascending(a: np.ndarray, *, chunk: int = 1 << 20) -> bool:

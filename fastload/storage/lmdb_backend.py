@@ -240,6 +240,11 @@ class LeafTable:
 
     def value(self, key: bytes):
         """The value of a metadata key (0xFF...), or None."""
+        at = self.value_at(key)
+        return None if at is None else self.mm[at[0] : at[0] + at[1]]
+
+    def value_at(self, key: bytes) -> tuple[int, int] | None:
+        """(file offset, size) of a metadata key's value (0xFF...), or None."""
         if len(key) == 8:
             meta = np.flatnonzero((self.ksize == 8) & (self.knum == np.uint64(int.from_bytes(key, "big"))))
         else:
@@ -247,8 +252,7 @@ class LeafTable:
         for k in meta.tolist():
             a = int(self.key_at[k])
             if self.mm[a : a + len(key)].tobytes() == key:
-                o = int(self.offsets[k])
-                return self.mm[o : o + int(self.sizes[k])]
+                return int(self.offsets[k]), int(self.sizes[k])
         return None
 
     def records(self, n: int, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -266,6 +270,38 @@ class LeafTable:
             if np.count_nonzero(size >= 0) != len(num):
                 raise FormatError(f"{where}: corrupt LMDB shard (a record key appears twice); run `fastload verify`")
         return off, size
+
+
+def record_locations(path: Path, num_samples: int, *, name: str | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """Where a finished shard's records and pack id lie (one structure walk): (uint64 offsets,
+    uint32 sizes, (offset, size) of the pack-id value, (0, 0) when it has none). The packer
+    stores them in the index file so that readers never walk (:class:`LMDBShardReader`)."""
+    where = name or str(path)
+    table = check_lmdb_structure(path, name=where)
+    off, size = table.records(num_samples, where)
+    if len(size) and int(size.min()) < 0:
+        raise FormatError(f"{where}: record {int(np.flatnonzero(size < 0)[0])} missing from the shard just written")
+    id_at = table.value_at(_META + b"pack_id") or (0, 0)
+    del table
+    trim_heap()
+    return off.astype(np.uint64), size.astype(np.uint32), id_at
+
+
+def with_record_locations(index: ShardIndex, shards) -> ShardIndex:
+    """``index`` (of the finished ``shards``, (path, records) each, in order) with every record's
+    place in its shard and each shard's pack-id place, for the pack's index file: readers then
+    slice records from that shared file instead of walking every shard into private arrays in
+    every process (issue 16). One walk per shard; deterministic, so packs stay byte-identical."""
+    import dataclasses
+
+    locs = [record_locations(Path(p), n) for p, n in shards]
+    return dataclasses.replace(
+        index,
+        record_offsets=np.concatenate([o for o, _, _ in locs]) if locs else np.zeros(0, np.uint64),
+        record_sizes=np.concatenate([z for _, z, _ in locs]) if locs else np.zeros(0, np.uint32),
+        pack_id_at=np.asarray([a for _, _, a in locs], np.uint64).reshape(-1, 2),
+    )
 
 
 def _walk_lmdb(mm: np.ndarray, drop=None) -> LeafTable:
@@ -437,15 +473,23 @@ def _release_env(path: Path, env: lmdb.Environment) -> None:
 
 
 class LMDBShardReader(ShardReader):
-    """Reads records without LMDB: the structure walk done at open (:func:`check_lmdb_structure`)
-    yields every record's place in the file, and a record is a slice of one read-only memory
-    map of the file. So a read cannot fault (every place was checked inside the file), costs a
-    slice, and a buffer handed out keeps the map alive after the shard is closed (an LRU
-    close or a garbage-collected reader never leaves a caller with unmapped memory). LMDB
-    itself reads only the index (``read_index``: verify, older packs)."""
+    """Reads records without LMDB: a record is a slice of one read-only memory map of the file.
+    Where each record lies comes from the pack's index file (``locations``, written by the
+    packer from one walk of the finished shard: shared pages, nothing per record private, no
+    walk at open; each read is bounds-checked against the file, and the record checksum
+    catches a wrong place), or, for packs without them, from the structure walk done at open
+    (:func:`check_lmdb_structure`, private arrays of 16 bytes per record). Either way a read
+    cannot fault, costs a slice, and a buffer handed out keeps the map alive after the shard
+    is closed (an LRU close or a garbage-collected reader never leaves a caller with unmapped
+    memory). LMDB itself reads only the index (``read_index``: verify, older packs)."""
 
-    def __init__(self, path: Path, num_samples: int, *, pack_id: str | None = None, name: str | None = None):
+    def __init__(self, path: Path, num_samples: int, *, pack_id: str | None = None, name: str | None = None,
+                 locations: Any = None):
         super().__init__(path, num_samples, pack_id=pack_id, name=name)
+        # A callable giving (offsets, sizes, pack-id place) from the pack's index file, or None
+        # (:class:`~fastload.storage.pack_index.ShardLocations`); without it, or when it gives
+        # None (older packs), the shard is walked at open.
+        self._locations = locations
         self._mm = None
         self._off = None
         self._size = None
@@ -458,6 +502,39 @@ class LMDBShardReader(ShardReader):
     def _open(self) -> None:
         if not self.path.exists():
             raise FormatError(f"{self.name}: shard file missing")
+        if self._locations is not None and self._open_located():
+            return
+        self._open_walked()
+
+    def _open_located(self) -> bool:
+        """Open from the index file's record locations (shared pages: nothing per record is
+        kept privately, no walk). False: no locations, or the pack id is not where the index
+        says (then the walk decides, and names the real pack id or the damage)."""
+        loc = self._locations()
+        if loc is None:
+            return False
+        off, size, (id_off, id_size) = loc
+        try:
+            with open(self.path, "rb") as f:
+                fsize = os.fstat(f.fileno()).st_size
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if fsize else None
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{self.name}: unreadable LMDB shard ({exc}); run `fastload verify`") from None
+        if m is None:
+            return False
+        mm = np.frombuffer(m, dtype=np.uint8)
+        stored = None
+        if 0 < id_size <= 256 and id_off + id_size <= fsize:
+            stored = mm[id_off : id_off + id_size].tobytes().decode("ascii", "replace")
+        if self.pack_id is not None and stored != self.pack_id:
+            return False
+        self._stored_id = stored
+        self._off, self._size, self._mm = off, size, mm
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        self._drop_pages = None if advice is None else (lambda: m.madvise(advice))
+        return True
+
+    def _open_walked(self) -> None:
         table = check_lmdb_structure(self.path, name=self.name)
         v = table.value(_META + b"pack_id")
         self._stored_id = None if v is None else v.tobytes().decode("ascii", "replace")
@@ -482,6 +559,10 @@ class LMDBShardReader(ShardReader):
         o, n = int(self._off[i]), int(self._size[i])
         if n < 0:
             raise FormatError(f"{self.name}: record {i} missing; the shard is corrupt or truncated")
+        if o + n > len(self._mm):  # index-file locations are bounds-checked here; content by the checksum
+            raise FormatError(f"{self.name}: record {i}: its location in the pack's index file ({o}, {n} bytes) "
+                              f"lies outside the shard ({len(self._mm)} bytes): index file damaged; "
+                              "run `fastload verify` on the pack, and repack")
         return self._mm[o : o + n]
 
     @contextlib.contextmanager
@@ -519,14 +600,31 @@ class LMDBShardReader(ShardReader):
         return index
 
     def iter_payloads(self):
-        """Every record in order, as :meth:`get` serves it (slices of the walked map, so verify
-        checks exactly what readers read); the pages already read are dropped from this
+        """Every record in order, from a walk of the shard (also when reads use the index file's
+        locations, which must then equal the walk's: verify checks both); the pages already read are dropped from this
         process's map every 64 MiB (they stay in the page cache), so verifying a shard holds
         a bounded part of it in RSS whatever its size."""
         self._ensure_open()
-        drop, done = self._drop_pages, 0
+        mm, off, size, drop, done = self._mm, self._off, self._size, self._drop_pages, 0
+        loc = self._locations() if self._locations is not None else None
+        if loc is not None:
+            # Opened from the index file's locations: verify still walks the shard (its own
+            # structure is what is checked), and the stored locations must say the same.
+            table = check_lmdb_structure(self.path, name=self.name)
+            off, size = table.records(self.num_samples, self.name)
+            bad = np.flatnonzero((np.asarray(loc[0]).astype(np.int64) != off)
+                                 | (np.asarray(loc[1]).astype(np.int64) != size))
+            if len(bad):
+                raise FormatError(f"{self.name}: record {int(bad[0])}: its location in the pack's index file differs "
+                                  "from the shard's (index file damaged); repack")
+            mm, drop = table.mm, table.drop
+            del table
         for i in range(self.num_samples):
-            buf = self._get(i)
+            n = int(size[i])
+            if n < 0:
+                raise FormatError(f"{self.name}: record {i} missing; the shard is corrupt or truncated")
+            o = int(off[i])
+            buf = mm[o : o + n]
             yield buf
             done += len(buf)
             if drop is not None and done >= 64 << 20:

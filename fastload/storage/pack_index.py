@@ -19,7 +19,7 @@ import numpy as np
 from .base import ShardIndex, StringTable
 from .index_file import read_index_file
 
-__all__ = ["PackIndex", "PartedArray", "PartedStrings"]
+__all__ = ["PackIndex", "PartedArray", "PartedStrings", "ShardLocations"]
 
 
 def _part_of(starts: np.ndarray, i):
@@ -219,9 +219,26 @@ class PackIndex:
 
     def part(self, m: int) -> ShardIndex:
         """Part ``m``'s own index (memory maps of its file; records ``starts[m]:starts[m + 1]``):
-        for checks that walk a pack part by part (verify) without joining the parts."""
-        path, n, pid = self.files[m]
-        return read_index_file(path, num_samples=n, pack_id=pid)
+        for checks that walk a pack part by part (verify) without joining the parts. Mapped
+        and validated once per process (every shard reader of the part asks for it)."""
+        cache = self.__dict__.setdefault("_part_cache", {})
+        if m not in cache:
+            path, n, pid = self.files[m]
+            cache[m] = read_index_file(path, num_samples=n, pack_id=pid)
+        return cache[m]
+
+    def shard_locations(self, m: int, first: int, count: int, shard: int):
+        """(offsets, sizes, (pack-id offset, size)) of records ``first:first + count`` of part
+        ``m`` (shard number ``shard`` of the part), views of the shared map; None when the
+        part's index file has no record locations (older packs, HDF5)."""
+        part = self.part(m)
+        if part.record_offsets is None or part.pack_id_at is None:
+            return None
+        if not (0 <= first and first + count <= len(part) and 0 <= shard < len(part.pack_id_at)):
+            return None  # the index does not describe this shard: the reader walks it instead
+        at = part.pack_id_at[shard]
+        return (part.record_offsets[first : first + count], part.record_sizes[first : first + count],
+                (int(at[0]), int(at[1])))
 
     def open(self) -> PackIndex:
         """Map the index files now (so a damaged one is reported at open, not at first read)."""
@@ -266,7 +283,7 @@ class PackIndex:
 
     def __getstate__(self) -> dict:
         # Maps are not pickled (a memmap pickles as a full copy): the receiver maps the files again.
-        return {"files": self.files, "starts": self.starts, "_fields": None,
+        return {"files": self.files, "starts": self.starts, "_fields": None, "_part_cache": {},
                 "sha256": getattr(self, "sha256", ()), "_paths_checked": getattr(self, "_paths_checked", True)}
 
     def __setstate__(self, state: dict) -> None:
@@ -274,3 +291,24 @@ class PackIndex:
 
     def __repr__(self) -> str:
         return f"<PackIndex of {len(self)} records in {len(self.files)} index file(s)>"
+
+
+class ShardLocations:
+    """Where one shard's records lie, as its pack's index file records them: what an LMDB shard
+    reader calls at open instead of walking the shard. Pickles as the :class:`PackIndex` (its
+    files' paths, shared with the pack reader's) and four numbers."""
+
+    __slots__ = ("index", "part", "first", "count", "shard")
+
+    def __init__(self, index: PackIndex, part: int, first: int, count: int, shard: int):
+        self.index, self.part, self.first, self.count, self.shard = index, part, first, count, shard
+
+    def __call__(self):
+        """(offsets, sizes, pack-id place) or None (no locations: walk the shard)."""
+        return self.index.shard_locations(self.part, self.first, self.count, self.shard)
+
+    def __getstate__(self):
+        return (self.index, self.part, self.first, self.count, self.shard)
+
+    def __setstate__(self, state) -> None:
+        self.index, self.part, self.first, self.count, self.shard = state
