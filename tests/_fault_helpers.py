@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import mmap
 import os
+import shutil
+import uuid
 import subprocess
 import sys
 import textwrap
@@ -14,6 +18,27 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(tmp_path: Path, size: str):
+    """A real tmpfs of ``size`` (a small /dev/shm, a disk that fills up), mounted under
+    ``tmp_path`` for the block and lazily unmounted after; skips the test without root."""
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / f"tmpfs-{size}-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # drop maps of files in it before unmounting
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 class Filler:

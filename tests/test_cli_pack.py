@@ -6,7 +6,6 @@ import json
 import resource
 import shlex
 import signal
-import os
 import subprocess
 import sys
 import time
@@ -341,20 +340,10 @@ def test_output_into_a_closed_pipe_is_quiet(tmp_path):
 @pytest.fixture
 def tmpfs_2m(tmp_path):
     """A real 2 MB tmpfs (a disk that fills up), mounted for the test and unmounted after."""
-    import shutil
-    import uuid
+    from _fault_helpers import mounted_tmpfs
 
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.mark.slow

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
-import subprocess
-import uuid
 import warnings
 
 import numpy as np
@@ -20,6 +17,7 @@ from fastload.data.loader import DataLoader, PerformanceWarning
 from fastload.data.ring import Ring, RingSpaceError, slot_bytes
 
 from _data_helpers import collect, make_pack
+from _fault_helpers import mounted_tmpfs
 
 AUG = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()])
 
@@ -32,18 +30,8 @@ def jpeg_pack(sample_tree, tmp_path_factory):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 64 MB tmpfs (Docker's default /dev/shm size), mounted for the test."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, "64m") as mnt:
         yield mnt
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_ring_reserves_every_slot_up_front(tmp_path):

@@ -5,7 +5,6 @@ batch, and checkpoints that load with ``weights_only=True``."""
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import signal
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,8 @@ from fastload.data.ring import RING_PREFIX, Ring
 from fastload.errors import FormatError
 
 from _data_helpers import Indices, make_pack
-from _fault_helpers import REPO, Filler, alive, first_line, kill_started, run_script, start_script, wait_gone
+from _fault_helpers import (REPO, Filler, alive, first_line, kill_started, mounted_tmpfs, run_script, start_script,
+                            wait_gone)
 
 
 @pytest.fixture(autouse=True)
@@ -48,27 +47,11 @@ def ring_dir(tmp_path):
     return d
 
 
-def _tmpfs(tmp_path: Path, size: str):
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    return mnt
-
-
 @pytest.fixture
 def tmpfs_16m(tmp_path):
     """A real 16 MB tmpfs, mounted for the test and unmounted at the end."""
-    mnt = _tmpfs(tmp_path, "16m")
-    try:
+    with mounted_tmpfs(tmp_path, "16m") as mnt:
         yield mnt
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 # -- ring names, stale rings -------------------------------------------------------------------
@@ -591,9 +574,11 @@ def test_in_memory_copy_is_private_and_removed_after_use(raw_pack):
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_in_memory_copy_after_sigterm_or_sigkill(raw_pack, sample_tree, tmp_path, ring_dir, sig):
+def test_in_memory_copy_after_sigterm_or_sigkill(sample_tree, tmp_path, ring_dir, sig):
     """SIGTERM: the dying process removes its copy. SIGKILL: the next process that uses
-    in_memory removes the unused leftover."""
+    in_memory removes the unused leftover. The pack is this test's own: a copy of a pack that
+    this pytest process itself opened with in_memory=True earlier is (rightly) in use, not stale."""
+    raw_pack = make_pack(sample_tree, tmp_path / "mine", payload="raw", size=(8, 8))
     proc = start_script(tmp_path, f"""
         from fastload.data.dataset import ImageFolder
         from fastload.data.loader import DataLoader

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -501,18 +500,10 @@ def _churn(cache: ShardCache, items: list[Item], seed: int, q) -> None:
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    except OSError as exc:
-        pytest.skip(f"cannot run mount: {exc}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs (needs root): {r.stderr.strip()}")
-    try:
+    from _fault_helpers import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path, "1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_disk_full_while_fetching(tiny_tmpfs, origin):
