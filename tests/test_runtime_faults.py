@@ -576,8 +576,8 @@ def test_in_memory_copy_is_private_and_removed_after_use(raw_pack):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_in_memory_copy_after_sigterm_or_sigkill(sample_tree, tmp_path, ring_dir, sig):
     """SIGTERM: the dying process removes its copy. SIGKILL: the next process that uses
-    in_memory removes the unused leftover. The pack is this test's own: a copy of a pack that
-    this pytest process itself opened with in_memory=True earlier is (rightly) in use, not stale."""
+    in_memory (a fresh one: a process sweeps leftovers when it first attaches a copy) removes
+    the unused leftover."""
     raw_pack = make_pack(sample_tree, tmp_path / "mine", payload="raw", size=(8, 8))
     proc = start_script(tmp_path, f"""
         from fastload.data.dataset import ImageFolder
@@ -602,12 +602,14 @@ def test_in_memory_copy_after_sigterm_or_sigkill(sample_tree, tmp_path, ring_dir
     assert len(shm.remove_stale(str(ring_dir), RING_PREFIX)) == 1  # the SIGKILLed run's ring
     assert not _no_copy_left(raw_pack)  # left behind by SIGKILL ...
     other = make_pack(sample_tree, tmp_path / "other", payload="raw", size=(8, 8))
-    from fastload.data.dataset import ImageFolder
-
-    ImageFolder(other, in_memory=True)  # ... until some process attaches a copy
+    done = run_script(tmp_path, f"""
+        from fastload.data.dataset import ImageFolder
+        ImageFolder({str(other)!r}, in_memory=True)  # ... until another process attaches a copy
+        print("attached", flush=True)
+    """)
+    assert done.returncode == 0 and "attached" in done.stdout, done.stderr
     assert _no_copy_left(raw_pack)
-    _detach_copy(other)
-    assert _no_copy_left(other)
+    assert _no_copy_left(other)  # and that process's own copy went with it
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
