@@ -84,3 +84,25 @@ def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` (relative name -> content), to compare packs byte for byte."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def pack_interrupted(src: Path, dest: Path, cfg, *, after_shards: int) -> None:
+    """Run a pack that a Ctrl-C stops as shard ``after_shards`` is about to start."""
+    import pytest
+
+    import fastload.pack as packmod
+    from fastload.pack import pack
+
+    orig = packmod._PackRun._open_writer
+
+    def dying_open_writer(self):
+        if len(self.entries) == after_shards:
+            raise KeyboardInterrupt
+        orig(self)
+
+    packmod._PackRun._open_writer = dying_open_writer
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pack(src, dest, config=cfg)
+    finally:
+        packmod._PackRun._open_writer = orig

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from _pack_helpers import gradient, make_jpeg_tree, make_special_tree, save, tree_bytes
+from _pack_helpers import gradient, make_jpeg_tree, make_special_tree, pack_interrupted, save, tree_bytes
 from fastload.codecs import get_codec
 from fastload.config import OnError, PackConfig
 from fastload.errors import FormatError, PackError
@@ -313,24 +313,6 @@ def test_dest_rules(tmp_path):
         pack(src, tmp_path / "afile", config=cfg)
 
 
-def _pack_interrupted(src: Path, dest: Path, cfg: PackConfig, *, after_shards: int) -> None:
-    """Run a pack that a Ctrl-C stops as shard ``after_shards`` is about to start."""
-    import fastload.pack as packmod
-
-    orig = packmod._PackRun._open_writer
-
-    def dying_open_writer(self):
-        if len(self.entries) == after_shards:
-            raise KeyboardInterrupt
-        orig(self)
-
-    packmod._PackRun._open_writer = dying_open_writer
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            pack(src, dest, config=cfg)
-    finally:
-        packmod._PackRun._open_writer = orig
-
 
 def test_resume_from_journal_equals_uninterrupted(tmp_path):
     """Simulate a run that died after two shards: cut the finished pack back to its journal state."""
@@ -342,7 +324,7 @@ def test_resume_from_journal_equals_uninterrupted(tmp_path):
     expected = tree_bytes(clean)
 
     dest = tmp_path / "dest"
-    _pack_interrupted(src, dest, cfg, after_shards=2)
+    pack_interrupted(src, dest, cfg, after_shards=2)
     journal = json.loads((dest / journal_name(0, 1)).read_text())
     assert len(journal["shards"]) == 2 and not (dest / "manifest.json").exists()
     assert [s["path"] for _, s in journal["skipped"]] == ["c0/img004.jpg"]
@@ -360,7 +342,7 @@ def test_resume_restarts_when_a_packed_file_was_edited_in_place(tmp_path):
     src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
     cfg = PackConfig(backend="hdf5", payload="png", workers=1, shard_size=5_000)
     dest = tmp_path / "dest"
-    _pack_interrupted(src, dest, cfg, after_shards=2)
+    pack_interrupted(src, dest, cfg, after_shards=2)
     journal = json.loads((dest / journal_name(0, 1)).read_text())
     assert len(journal["shards"]) == 2
     edited = src / "c0" / "img000.jpg"  # the first record: surely in shard 0
@@ -381,7 +363,7 @@ def test_resume_keeps_the_shards_before_a_file_edited_in_place(tmp_path):
     src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
     cfg = PackConfig(backend="lmdb", payload="png", workers=1, shard_size=5_000)
     dest = tmp_path / "dest"
-    _pack_interrupted(src, dest, cfg, after_shards=2)
+    pack_interrupted(src, dest, cfg, after_shards=2)
     journal = json.loads((dest / journal_name(0, 1)).read_text())
     first_of_shard_1 = scan_source(src)[1][journal["ends"][0]]
     edited = src / first_of_shard_1

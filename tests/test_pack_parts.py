@@ -18,8 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _pack_helpers import make_jpeg_tree, tree_bytes
-import fastload.pack as packmod
+from _pack_helpers import make_jpeg_tree, pack_interrupted, tree_bytes
 import fastload.scan as scanmod
 from fastload.config import PackConfig
 from fastload.errors import PackError
@@ -150,22 +149,6 @@ def test_a_csv_edited_between_the_two_passes_is_refused(tmp_path, monkeypatch):
         list_source(csv, part=1, parts=2)
 
 
-def _pack_interrupted(src: Path, dest: Path, cfg: PackConfig, *, after_shards: int) -> None:
-    """A pack that a Ctrl-C stops as shard ``after_shards`` is about to start."""
-    orig = packmod._PackRun._open_writer
-
-    def dying_open_writer(self):
-        if len(self.entries) == after_shards:
-            raise KeyboardInterrupt
-        orig(self)
-
-    packmod._PackRun._open_writer = dying_open_writer
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            pack(src, dest, config=cfg)
-    finally:
-        packmod._PackRun._open_writer = orig
-
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["csv", "folder"])
@@ -174,7 +157,7 @@ def test_a_resumed_part_equals_an_uninterrupted_one(tmp_path, kind):
     cfg = PackConfig(backend="hdf5", payload="png", workers=1, shard_size=3_000, part=1, parts=3)
     pack(src, tmp_path / "clean", config=cfg)
     dest = tmp_path / "dest"
-    _pack_interrupted(src, dest, cfg, after_shards=1)
+    pack_interrupted(src, dest, cfg, after_shards=1)
     journal = json.loads((dest / journal_name(1, 3)).read_text())
     assert len(journal["shards"]) == 1
     s = pack(src, dest, config=cfg)

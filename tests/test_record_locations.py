@@ -19,7 +19,7 @@ import pytest
 from _data_helpers import make_pack
 from _pack_helpers import make_jpeg_tree, tree_bytes
 from fastload.config import PackConfig
-from fastload.errors import CorruptRecordError, FormatError
+from fastload.errors import FormatError
 from fastload.pack import pack
 from fastload.schema import manifest_checksum
 from fastload.storage import lmdb_backend, open_pack
@@ -187,7 +187,7 @@ def test_location_sections_are_validated_when_mapped(lmdb_pack, tmp_path):
 
 
 def test_packs_are_byte_identical_for_any_worker_count_and_on_resume(tmp_path):
-    from test_pack import _pack_interrupted
+    from _pack_helpers import pack_interrupted
 
     src = make_jpeg_tree(tmp_path / "src", classes=2, per_class=10)
     outs = []
@@ -197,7 +197,7 @@ def test_packs_are_byte_identical_for_any_worker_count_and_on_resume(tmp_path):
     assert outs[0] == outs[1]
     assert read_index_file(tmp_path / "w1" / "index.fli").record_offsets is not None
     cfg = PackConfig(backend="lmdb", workers=1, shard_size=3_500)
-    _pack_interrupted(src, tmp_path / "resumed", cfg, after_shards=2)
+    pack_interrupted(src, tmp_path / "resumed", cfg, after_shards=2)
     pack(src, tmp_path / "resumed", config=cfg)
     assert tree_bytes(tmp_path / "resumed") == outs[0]
 

@@ -259,15 +259,11 @@ def _workers_and_ring(loader):
     return [p.pid for p in loader._state["workers"].procs], loader._state["ring"].dir
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_stopped_worker_is_named_by_the_timeout_and_nothing_leaks(ring_dir):
-    loader = DataLoader(Filler(400, delay=0.05), 4, num_workers=2, ring_dir=str(ring_dir), pin_memory=False,
-                        shuffle=False, timeout=2)
-    it = iter(loader)
-    next(it)
-    pids, ring = _workers_and_ring(loader)
-    os.kill(pids[0], signal.SIGSTOP)
+def _timeout_while_stopped(it, stop: list[int], pids: list[int]) -> str:
+    """SIGSTOP ``stop``, drain ``it`` until the loader's WorkerTimeout, SIGCONT whatever is
+    still alive of ``pids``; returns the error's message."""
+    for p in stop:
+        os.kill(p, signal.SIGSTOP)
     try:
         with pytest.raises(WorkerTimeout) as err:
             for _ in it:
@@ -276,7 +272,18 @@ def test_a_stopped_worker_is_named_by_the_timeout_and_nothing_leaks(ring_dir):
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGCONT)
-    msg = str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stopped_worker_is_named_by_the_timeout_and_nothing_leaks(ring_dir):
+    loader = DataLoader(Filler(400, delay=0.05), 4, num_workers=2, ring_dir=str(ring_dir), pin_memory=False,
+                        shuffle=False, timeout=2)
+    it = iter(loader)
+    next(it)
+    pids, ring = _workers_and_ring(loader)
+    msg = _timeout_while_stopped(it, pids[:1], pids)
     assert f"worker 0 (pid {pids[0]})" in msg and "of epoch 0 (first record index" in msg and "in 2 s" in msg
     assert "timeout=" in msg and "\n" not in msg
     assert wait_gone(pids, 10)  # killed and reaped: no stopped or zombie worker
@@ -326,17 +333,7 @@ def test_a_stopped_per_sample_worker_is_a_timeout_naming_the_batch():
     next(it)
     procs = list(loader._state["torch_loader"]._iterator._workers)
     pids = [p.pid for p in procs]
-    for p in pids:
-        os.kill(p, signal.SIGSTOP)
-    try:
-        with pytest.raises(WorkerTimeout) as err:
-            for _ in it:
-                pass
-    finally:
-        for p in pids:
-            if alive(p):
-                os.kill(p, signal.SIGCONT)
-    msg = str(err.value)
+    msg = _timeout_while_stopped(it, pids, pids)
     assert str(pids[0]) in msg and "of epoch 0 (first record index" in msg and "\n" not in msg
     assert wait_gone(pids, 15)
     loader.close()
