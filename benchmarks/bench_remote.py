@@ -293,7 +293,7 @@ def bench_fastload_remote(url: str, remote: dict, cache_dir: str, cache_limit: i
             out["ahead"] = getattr(loader, "_ahead", None)  # batches announced ahead for download
         finally:
             loader.close()
-    stats = ds.reader.remote.cache.stats()
+    stats = ds.reader.remote.stats()
     out.update(peak=max(stats.peak_bytes, watch.peak), limit=cache_limit, fetched=watch.new_files,
                evictions_main=stats.evictions, shards=len(ds.reader.shard_entries), decoder=ds.decoder,
                max_open=ds.reader.max_open)  # after the loader applied its bound: what each worker got

@@ -29,7 +29,7 @@ def main() -> None:
     count = torch.tensor([len(labels)])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     assert int(count) == len(labels)
-    stats = ds.reader.remote.cache.stats()
+    stats = ds.reader.remote.stats()  # with its object-store helper's download-ahead
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "labels": labels, "downloads": stats.downloads, "shards": len(ds.reader.shard_entries),
         "padded": loader.num_padded,

@@ -69,7 +69,7 @@ def test_pack_to_azure_and_read_back_identical_to_the_local_pack(azure, az_pack,
     assert remote.classes == ref.classes and list(remote.samples) == list(ref.samples)
     for i in range(len(ref)):
         assert np.array_equal(remote.load(i, epoch=2), ref.load(i, epoch=2))
-    assert remote.reader.remote.cache.stats().downloads == len(local.shard_entries)
+    assert remote.reader.remote.stats().downloads == len(local.shard_entries)
 
 
 def test_loader_with_spawned_workers_over_azure(azure, az_pack, local_pack, tmp_path):

@@ -32,7 +32,7 @@ from ..codecs import jpegcrop as _jpegcrop
 from ..errors import CorruptRecordError, DecodeError, FastloadError, FormatError, warn_not_built
 from ..image import JpegInfo, coded_box, jpeg_info, orient, shape_problem
 from ..storage import PackReader, open_pack
-from ..storage.remote import is_url
+from ..storage.remote import is_url, runtime_started
 from . import resize as _resize
 from .draws import SUBSTITUTE_CANDIDATES, BatchDraws, SampleDraws, substitute_index
 from .protocols import Replacement, on_error_skips
@@ -259,9 +259,11 @@ class ImageFolder:
 
     @property
     def worker_start_method(self) -> str | None:
-        """How worker processes must start: "spawn" for a remote pack (the object-store
-        client's I/O runtime does not survive fork once it has run), else no preference."""
-        return "spawn" if self.reader.remote is not None else None
+        """How worker processes must start: "spawn" for a remote pack once this process has
+        made object-store requests itself (their runtime does not survive fork; it has not if
+        it only opened the pack and announced shards, which go through a helper process),
+        else no preference. Asked when the workers start."""
+        return "spawn" if self.reader.remote is not None and runtime_started() else None
 
     def prefetch(self, indices: np.ndarray) -> None:
         """Start downloading the shards that samples ``indices`` are in, if the pack is remote

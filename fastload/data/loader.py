@@ -398,8 +398,7 @@ class DataLoader:
         on_error_skips(on_error)  # the one check of the policy's value
         self.on_error = OnRecordError(on_error).value
         self.collate_fn = collate_fn
-        # a remote pack's workers must not be forked from a process that has used the store
-        self.multiprocessing_context = multiprocessing_context or getattr(dataset, "worker_start_method", None)
+        self._context = multiprocessing_context
         if self.num_workers and self.multiprocessing_context in ("spawn", "forkserver"):
             check_main_guard("fastload.DataLoader")  # a spawned worker re-runs the main script
         self._hint = dataset.prefetch if isinstance(dataset, Prefetching) else None
@@ -517,9 +516,18 @@ class DataLoader:
             self._state["ring"] = ring
         return ring
 
+    @property
+    def multiprocessing_context(self) -> str | None:
+        """The start method for worker processes: the one given, else the dataset's (a remote
+        pack's workers must not be forked from a process that has made object-store requests
+        itself), else fork on Linux. Asked again whenever workers start."""
+        return self._context or getattr(self.dataset, "worker_start_method", None)
+
     def _workers(self) -> Workers:
         workers = self._state.get("workers")
         if workers is None:
+            if self.multiprocessing_context in ("spawn", "forkserver"):
+                check_main_guard("fastload.DataLoader")
             self._on_terminate()
             dirs = [d for d in (self.ring_dir or default_ring_base(), "/dev/shm") if d]
             workers = Workers(self.dataset, self.num_workers, (self.batch_size, *self._image_shape),
@@ -792,6 +800,8 @@ class DataLoader:
         if loader is not None:
             return loader
         if self.num_workers > 0:
+            if self.multiprocessing_context in ("spawn", "forkserver"):
+                check_main_guard("fastload.DataLoader")
             self._on_terminate()
         import torch
         from torch.utils.data import DataLoader as TorchDataLoader

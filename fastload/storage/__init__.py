@@ -8,6 +8,7 @@ shard readers, it opens no file handle until a record is read, and pickles small
 from __future__ import annotations
 
 import bisect
+import os
 import weakref
 from functools import cached_property
 from pathlib import Path
@@ -162,6 +163,14 @@ class PackReader:
         ]
         # Close this process's shards when the reader is dropped (the list is shared, not self).
         self._finalizer = weakref.finalize(self, _close_all, self._readers)
+        if remote is not None:
+            _REMOTE_READERS.add(self)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's holds are its own (the child's cache object has
+        dropped them, see ShardCache), so this process holds and announces nothing yet."""
+        self._held.clear()
+        self._announced.clear()
 
     def _check_files(self) -> None:
         for s in self.shard_entries:
@@ -381,6 +390,20 @@ class PackReader:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._finalizer = weakref.finalize(self, _close_all, self._readers)
+        if self.remote is not None:
+            _REMOTE_READERS.add(self)
+
+
+# Remote readers of this process: a forked DataLoader worker starts without its parent's holds.
+_REMOTE_READERS: weakref.WeakSet[PackReader] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for reader in list(_REMOTE_READERS):
+        reader._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def open_pack(root: str | Path, *, check_files: bool = True, cache_dir: str | Path | None = None,

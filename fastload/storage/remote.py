@@ -55,6 +55,7 @@ __all__ = [
     "is_url",
     "join_url",
     "local_path",
+    "runtime_started",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,12 @@ class RemoteAccessError(RemoteError, PermissionError):
 
 class RemoteIntegrityError(RemoteError):
     """A downloaded object has the wrong size or SHA-256: truncated, corrupt or replaced."""
+
+
+def runtime_started() -> bool:
+    """True once this process has made an object-store request (which starts the I/O runtime
+    that a forked child cannot use: it hangs): from then on its workers must be spawned."""
+    return _RUNTIME_PID == os.getpid()
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -274,7 +281,8 @@ class RemoteStore:
 
     @property
     def client(self) -> Any:
-        """The obstore store for this process (created on first use, again after fork)."""
+        """The obstore store for this process (created on first use, again after fork; creating
+        one starts no runtime, its first request does)."""
         if self._store is None or self._pid != os.getpid():
             obstore_store = require("obstore.store", "obstore", "reading and writing packs in object storage")
             config, client = self._options()
@@ -447,4 +455,7 @@ class RemoteStore:
         import obstore
 
         _check_key(key)
-        self._call("delete", key, lambda store: obstore.delete(store, key))
+        try:
+            self._call("delete", key, lambda store: obstore.delete(store, key))
+        except RemoteNotFoundError:  # GCS answers 404 where S3 answers 204
+            pass

@@ -14,9 +14,11 @@ the manifest last (:func:`upload_pack`), so a remote pack never looks complete b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -24,7 +26,8 @@ from typing import Any, Iterable, Mapping
 from ..errors import FormatError
 from ..schema import MANIFEST_NAME, Manifest, ShardEntry, find_manifests, read_manifest
 from .base import file_sha256
-from .cache import ShardCache, parse_size
+from . import remote_agent
+from .cache import CacheStats, ShardCache, parse_size
 from .remote import RemoteNotFoundError, RemoteStore, is_url
 
 __all__ = ["RemotePack", "default_cache_dir", "is_url", "remove_staging", "staging_dir", "upload_pack"]
@@ -58,6 +61,11 @@ class RemotePack:
     :class:`~fastload.storage.remote.RemoteStore` (credentials and endpoints otherwise come
     from the environment; a store that stays unreachable fails after ``retry_seconds``). Pickles small; each
     process opens its own client and cache handle.
+
+    The process that opens it downloads the manifests and index files and runs download-ahead
+    through :mod:`~fastload.storage.remote_agent` (a helper forked from it), so it never starts
+    the object-store runtime itself and its DataLoader workers can be forked; shards a process
+    reads (:meth:`hold`) are downloaded by that process.
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
@@ -73,6 +81,11 @@ class RemotePack:
         self.cache = ShardCache(directory, limit)
         self.namespace = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.meta_dir = directory / "packs" / self.namespace
+        self._owner = os.getpid()  # the opening process: its I/O goes through the agent
+        self._token = secrets.token_hex(8)  # names this pack's copy in the agent
+
+    def _via_agent(self) -> bool:
+        return os.getpid() == self._owner and remote_agent.usable()
 
     def __repr__(self) -> str:
         return f"RemotePack({self.url!r}, cache={self.cache!r})"
@@ -82,6 +95,12 @@ class RemotePack:
     def fetch_meta(self) -> Path:
         """Download the manifests (always: they say whether the pack changed) and the index
         files they list (when the local copy's checksum differs) into :attr:`meta_dir`."""
+        if self._via_agent():
+            return remote_agent.call(_agent_fetch_meta, self, timeout=2 * self.store.retry_seconds + 60,
+                                     what=f"{self.url}/{MANIFEST_NAME}")
+        return self._fetch_meta()
+
+    def _fetch_meta(self) -> Path:
         self.meta_dir.mkdir(parents=True, exist_ok=True)
         try:
             names = [MANIFEST_NAME] if self.store.head(MANIFEST_NAME) is not None else sorted(
@@ -139,8 +158,14 @@ class RemotePack:
         self.cache.release(self.key(entry))
 
     def prefetch(self, entries: Iterable[ShardEntry], *, max_workers: int = 4) -> None:
-        """Start downloading shards that will be needed soon (background threads; a later
-        :meth:`hold` waits for them, and any failure surfaces there)."""
+        """Start downloading shards that will be needed soon (background threads, in the agent
+        if this process opened the pack; a later :meth:`hold` waits for them, and downloads the
+        shard itself if they failed, raising its error)."""
+        if self._via_agent():
+            entries = list(entries)
+            if entries:
+                remote_agent.post(_agent_prefetch, self, entries, max_workers)
+            return
         items = [(self.key(e), e.bytes, e.sha256, self._fetcher(e)) for e in entries]
         if items:
             self.cache.prefetch(items, max_workers=max_workers)
@@ -149,8 +174,32 @@ class RemotePack:
         """Shards this process will read soon: evicted last (see ShardCache.set_needed)."""
         self.cache.set_needed(self.key(e) for e in entries)
 
+    def stats(self) -> CacheStats:
+        """The cache's :class:`~fastload.storage.cache.CacheStats`, with the counters of this
+        process's object-store helper added (it does the download-ahead; workers count theirs)."""
+        mine = self.cache.stats()
+        if os.getpid() != self._owner or not remote_agent.started():
+            return mine
+        theirs = remote_agent.call(_agent_stats, self, timeout=60, what=f"{self.url}: cache statistics")
+        return dataclasses.replace(
+            mine, hits=mine.hits + theirs.hits, misses=mine.misses + theirs.misses,
+            downloads=mine.downloads + theirs.downloads, evictions=mine.evictions + theirs.evictions,
+            peak_bytes=max(mine.peak_bytes, theirs.peak_bytes))
+
     def close(self) -> None:
         self.cache.close()
+
+
+def _agent_fetch_meta(pack: RemotePack) -> Path:
+    return remote_agent.keep(pack._token, lambda: pack)._fetch_meta()
+
+
+def _agent_prefetch(pack: RemotePack, entries: list[ShardEntry], max_workers: int) -> None:
+    remote_agent.keep(pack._token, lambda: pack).prefetch(entries, max_workers=max_workers)
+
+
+def _agent_stats(pack: RemotePack) -> CacheStats:
+    return remote_agent.keep(pack._token, lambda: pack).cache.stats()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
