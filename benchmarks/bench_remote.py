@@ -16,8 +16,8 @@ worker processes:
   cold (first epoch, empty cache) and warm (cache kept);
 * fastload from S3 with ``BlockShufflePlan(window=4)``: the first epoch (empty cache) and later
   epochs (each evicts and fetches again), with a cache limit of 4 windows of shards (+1 shard
-  per worker), then 3, then 2, with the loader's default bound on the shards a reader holds open
-  (the plan's ``open_shards``, two windows), and 2 again with readers holding one window;
+  per worker), then 3, then 2 (the documented minimum: each worker pins only the shards of the
+  batch it reads, at most two windows' worth between them);
 * MosaicML Streaming: ``MDSWriter`` to ``s3://bench/mds`` (a ``bytes`` column: the JPEG bytes
   as they are), ``StreamingDataset(remote=..., local=cache, shuffle=True, batch_size=...)`` in a
   torch ``DataLoader``, decoded with PIL, PIL RandomResizedCrop + flip, uint8 output (bench_loader's
@@ -87,7 +87,7 @@ CONSTRAINTS = Path("/tmp/bench_remote-constraints.txt")
 WINDOW = 4  # BlockShufflePlan window, in shards
 # The block-shuffle runs: (name, cache limit in windows (+1 shard per worker), shards a reader
 # may hold open: None for the loader's own bound, the plan's open_shards = 2 windows).
-BLOCK_RUNS = (("block4", 4, None), ("block3", 3, None), ("block2", 2, None), ("block2 hold4", 2, WINDOW))
+BLOCK_RUNS = (("block4", 4, None), ("block3", 3, None), ("block2", 2, None))
 CHILD_TIMEOUT = 300  # seconds for one library measurement
 FASTLOAD_TIMEOUT = 90  # seconds for one fastload measurement (a normal one takes 5-30 s)
 RETRIES = 2  # hung block-shuffle runs tried once more, at most this many in a run (time bound)
@@ -740,8 +740,8 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
     add("fastload, S3, full shuffle: cold", "cold", fl_cache)
     add("fastload, S3, full shuffle: warm", "warm", fl_cache)
     for name, k, hold in BLOCK_RUNS:
-        held = f"readers hold <= {hold}" if hold else "readers hold <= open_shards (default)"
-        label = f"fastload, S3, BlockShufflePlan(window={WINDOW}), cache {k} windows + 1 shard/worker, {held}"
+        held = f", readers hold <= {hold}" if hold else ""
+        label = f"fastload, S3, BlockShufflePlan(window={WINDOW}), cache {k} windows + 1 shard/worker{held}"
         add(f"{label}: cold", f"{name} cold", fl_cache)
         add(f"{label}: later epochs", f"{name} warm", fl_cache)
     for lib in ("streaming", "litdata"):
@@ -799,17 +799,16 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
             f"again ({shards} shards, less those the cache still holds from the epoch before): {per}. Downloads "
             f"beyond that are shards fetched ahead (the loader announces each batch {ahead} batches before it is "
             f"read, about {ahead * args.batch / (count / shards) / WINDOW:.1f} windows here) and evicted before "
-            f"they were read. Each reader process keeps at most the plan's open_shards ({2 * WINDOW}, two windows) "
-            f"shards open and held against eviction; the 'readers hold <= {WINDOW}' rows lower that to one window "
-            f"(`ds.reader.max_open = {WINDOW}` before making the loader)."
+            f"they were read. Each reader process pins against eviction only the shards of the batch it is reading "
+            f"(and keeps at most the plan's open_shards, {2 * WINDOW}, open), so {args.workers} workers pin at most "
+            f"two windows between them: a cache of 2 windows + 1 shard per worker is the minimum."
         )
     if any(name in failures and "no room" in " ".join(failures[name]) for name, _, _ in BLOCK_RUNS) or any(
             "no room" in " ".join(failures.get(f"{name} cold", [])) for name, _, _ in BLOCK_RUNS):
         notes.append(
-            f"A cache limit under what the readers may hold fails with the cache's CacheError (above): "
-            f"{args.workers} workers each holding up to open_shards = {2 * WINDOW} shards can pin up to "
-            f"{args.workers * 2 * WINDOW} between them, so with the loader's default bound a cache needs about "
-            f"{args.workers} x 2 windows, and smaller ones fail once the workers' holds drift apart."
+            f"A cache limit under what the readers pin fails with the cache's CacheError (above), which names "
+            f"the minimum size: the shards of the batches in flight (two windows at a boundary) plus one "
+            f"download per worker."
         )
     notes.append(
         "What each library decodes: all three read the same JPEG bytes (fastload's jpeg@256 payload: 256 px short "
@@ -840,10 +839,11 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
     notes.append(
         "Start-up counts in cold: the 'open / first batch / epoch' column is seconds from the start of dataset "
         "construction (manifest or index fetch) to the dataset being ready, to the first batch, and to the end of "
-        "the epoch. fastload starts its workers with spawn for a remote pack (the object-store client's runtime "
-        "does not survive fork), so each worker imports torch and fastload anew before the first batch"
-        + (f" ({cold['first_batch']:.2f} s of its {cold['seconds']:.2f} s epoch)" if cold else "")
-        + "; Streaming and LitData run in torch's DataLoader with fork workers. Shuffle differs: fastload's full "
+        "the epoch. All three fork their workers: fastload's main process sends its object-store requests "
+        "(manifest, index, download-ahead) to one helper process forked from it, so it never starts the "
+        "object-store client's runtime, which does not survive fork"
+        + (f" (first batch after {cold['first_batch']:.2f} s of its {cold['seconds']:.2f} s epoch)" if cold else "")
+        + "; Streaming and LitData run in torch's DataLoader. Shuffle differs: fastload's full "
         "shuffle is one global permutation; Streaming's default py1e shuffles within blocks of 262,144 samples "
         "(the whole set here); LitData shuffles the chunk order and items within windows of 256 inside a chunk."
     )

@@ -200,3 +200,32 @@ def test_an_interrupted_upload_resumes_from_what_the_bucket_holds(sample_tree, s
                    endpoint_url=s3_server.endpoint_url, storage_options=s3_server.storage_options)
     assert summary.packed == 24
     assert len(ImageFolder(url, **_remote(s3_server, tmp_path))) == 24
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_block_shuffle_with_workers_fits_two_windows_and_a_shard_per_worker(sample_tree, s3_bucket, s3_server,
+                                                                            tmp_path):
+    """The documented minimum cache for a block shuffle with workers: two windows' shards (a
+    window boundary, or an epoch's last window and the next epoch's first) plus one download
+    per worker, with the readers' default bound; every worker pins only its current batch's
+    shards, so epochs run without a CacheError and the cache never passes its limit."""
+    url = f"{s3_bucket}/train"
+    _upload(sample_tree, url, s3_server, tmp_path, shard_size=9000)  # 3-4 records per shard
+    probe = open_pack(url, **_remote(s3_server, tmp_path))
+    sizes = [e.bytes for e in probe.shard_entries]
+    window, workers = 2, 2
+    limit = (2 * window + workers) * max(sizes)
+    assert limit < sum(sizes)
+    ds = ImageFolder(url, AUG, **_remote(s3_server, tmp_path, cache_limit=limit))
+    plan = BlockShufflePlan(len(ds), batch_size=2, seed=1, window=window,
+                            shard_starts=tuple(int(x) for x in ds.reader.shard_starts))
+    assert plan.batch_size < min(np.diff(ds.reader.shard_starts)) * window  # batches smaller than a window
+    cache = ds.reader.remote.cache
+    with DataLoader(ds, plan=plan, num_workers=workers, pin_memory=False) as loader:
+        for epoch in range(6):  # without unpinning, the workers' pinned shards overflow it within 6
+            seen = []
+            for _, y in loader:
+                seen += y.tolist()
+                assert cache.stats().bytes <= limit
+            assert sorted(seen) == sorted(ds.targets.tolist()), epoch

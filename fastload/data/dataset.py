@@ -519,6 +519,7 @@ class ImageFolder:
         skip = on_error_skips(on_error)
         fast = self._fast
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        self.reader.hold_only(idx)  # a remote pack: unpin the shards of earlier batches
         seed = self.seed if seed is None else int(seed)
         draws = BatchDraws(seed, epoch, idx) if fast is not None else None
         shapes = self._shapes[idx, :2].tolist()  # per batch, not per sample: numpy indexing costs

@@ -201,6 +201,7 @@ class PackBatchSource:
         dataset indices they are of: ``idx`` itself, or a copy with every corrupt record replaced
         by its substitute under ``on_error="skip"`` (its label and crop box follow from it)."""
         pack = self.reader()
+        pack.hold_only(idx)  # a remote pack: unpin the shards of earlier batches
         served, data = idx, []
         for j, i in enumerate(idx.tolist()):
             try:

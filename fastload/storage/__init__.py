@@ -331,6 +331,24 @@ class PackReader:
             del self._announced[next(iter(self._announced))]
         self.remote.set_needed(self.shard_entries[k] for k in self._announced)
 
+    def hold_only(self, indices) -> None:
+        """Before reading a batch of records ``indices``: release the remote shards this process
+        holds that the batch does not read (a no-op for a local pack).
+
+        A reader otherwise keeps its last ``max_open`` shards pinned in the node cache, and
+        under a :class:`~fastload.data.plan.BlockShufflePlan` those include windows long past:
+        with several workers the pinned shards outgrow a cache sized for the windows being
+        read. Pinning only the current batch's shards bounds the node's pinned set by the
+        batches in flight (at most two windows' shards for batches smaller than a window).
+        Shards read by consecutive batches stay held and open: no churn inside a window."""
+        if self.remote is None or not self._held or not len(indices):
+            return
+        keep = set(np.unique(np.searchsorted(self.shard_starts, np.asarray(indices), side="right") - 1).tolist())
+        for k in [k for k in self._held if k not in keep]:
+            del self._held[k]
+            self._readers[k].close()
+            self.remote.release(self.shard_entries[k])
+
     def hold_at_most(self, n: int | None) -> None:
         """Keep at most ``n`` shards open (an order's ``open_shards``; None: no change)."""
         if n is not None:
