@@ -295,11 +295,19 @@ class _Hinted(Filler):
     def hold_at_most(self, n) -> None:
         pass
 
+    def __getitem__(self, i: int):  # the per-sample path
+        return np.full((*self.hw, 3), i % 256, dtype=np.uint8), i
+
 
 @pytest.mark.timeout(60)
-def test_a_remote_dataset_hears_of_the_next_epochs_first_samples_before_the_boundary():
+@pytest.mark.parametrize("path", ["ring", "per-sample"])
+def test_a_remote_dataset_hears_of_the_next_epochs_first_samples_before_the_boundary(path):
+    from fastload.data.collate import collate_uint8
+
     ds = _Hinted(60)
-    with DataLoader(ds, 4, num_workers=2, prefetch=2, pin_memory=False, seed=1) as loader:
+    kw = {"collate_fn": collate_uint8} if path == "per-sample" else {}
+    with DataLoader(ds, 4, num_workers=2, prefetch=2, pin_memory=False, seed=1, **kw) as loader:
+        assert loader.mode == path
         plan, nb = loader.plan, len(loader)
         for b, _ in enumerate(loader):
             if b == nb - 1:

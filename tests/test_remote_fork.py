@@ -200,3 +200,33 @@ def test_an_unreachable_store_at_open_is_one_error_from_the_helper(remote, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip()
     assert line.startswith("RemoteError |") and "127.0.0.1:9" in line and "\n" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_a_multiprocessing_child_that_opened_a_remote_pack_exits(remote, tmp_path, method):
+    """multiprocessing joins a child's own children when it exits, before atexit hooks run: the
+    helper must be stopped before that join, or the child (a benchmark's isolated run, a
+    user's training process) never ends."""
+    path = tmp_path / "script.py"
+    path.write_text(_PRELUDE + textwrap.dedent(f"""
+        import multiprocessing as mp
+
+        def child():
+            ds = open_ds("cache")
+            assert remote_agent.started()
+            print("opened", len(ds), flush=True)
+
+        if __name__ == "__main__":
+            p = mp.get_context({method!r}).Process(target=child)
+            p.start()
+            p.join(30)
+            print("exitcode", p.exitcode)
+            if p.exitcode is None:
+                p.kill()
+    """))
+    proc = subprocess.run([sys.executable, str(path), json.dumps(remote)], capture_output=True, text=True,
+                          timeout=100, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["opened", str(len(ImageFolder(remote["local"]))), "exitcode", "0"]

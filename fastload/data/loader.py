@@ -848,11 +848,19 @@ class DataLoader:
         else:
             loader.batch_sampler.set_pass(self.plan, idx, start, nb, epoch, keyed=keeps_replacements, chain=chain)
         ahead = self._ahead
-        self._announce(idx, start, min(nb, start + ahead))
+        # With the chained iteration, the workers read the next epoch's first batches before
+        # this one ends: a remote dataset hears of them as it would of this epoch's (once).
+        told = self._state.pop("torch_told", None)
+        told = told[1] if it is not None and told is not None and told[0] == (epoch, start) else start
+        self._announce(idx, told, min(nb, start + ahead))
+        following = self.plan.indices_view(epoch + 1, 0) if chain and self._hint is not None else None
         try:
             for b, batch in enumerate(self._torch_batches(loader, epoch, start, idx, it, nb - start), start):
                 if b + ahead < nb:
                     self._announce(idx, b + ahead, b + ahead + 1)
+                elif following is not None and b + ahead - nb < self.plan.num_batches(0):
+                    self._announce(following, b + ahead - nb, b + ahead - nb + 1)
+                    self._state["torch_told"] = ((epoch + 1, 0), b + ahead - nb + 1)
                 if keeps_replacements:
                     batch, reps = batch
                     self._note_replaced(reps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import signal
 import threading
@@ -73,6 +74,9 @@ def _executor() -> ProcessPoolExecutor:
         if _agent is None or _agent[0] != pid:  # none yet, or a forked child's copy of its parent's
             ex = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"), initializer=_init, initargs=(pid,))
             _agent = (pid, ex)
+            # In a multiprocessing child, exit joins the child processes before any atexit hook
+            # could stop the agent: a finalizer with an exit priority runs first.
+            mp_util.Finalize(None, shutdown, exitpriority=100)
         return _agent[1]
 
 
