@@ -270,6 +270,8 @@ def bench_fastload_remote(url: str, remote: dict, cache_dir: str, cache_limit: i
     """One fastload measurement from S3: ``warm=False`` times the first epoch whole (dataset
     construction included); ``warm=True`` runs bench_loader's warm-up + best of 3 over the cache
     as it was left. ``window``: read with a BlockShufflePlan of that many shards."""
+    import torch  # noqa: F401 - before timing, as in a training script (importing streaming or litdata imports it)
+
     from fastload.data.dataset import ImageFolder
     from fastload.data.loader import DataLoader
     from fastload.data.plan import BlockShufflePlan
@@ -839,7 +841,8 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
     notes.append(
         "Start-up counts in cold: the 'open / first batch / epoch' column is seconds from the start of dataset "
         "construction (manifest or index fetch) to the dataset being ready, to the first batch, and to the end of "
-        "the epoch. All three fork their workers: fastload's main process sends its object-store requests "
+        "the epoch; torch is imported before the clock starts in all three (a training script has imported it; "
+        "`import streaming` and `import litdata` import it, fastload's DataLoader would on its first batch). All three fork their workers: fastload's main process sends its object-store requests "
         "(manifest, index, download-ahead) to one helper process forked from it, so it never starts the "
         "object-store client's runtime, which does not survive fork"
         + (f" (first batch after {cold['first_batch']:.2f} s of its {cold['seconds']:.2f} s epoch)" if cold else "")

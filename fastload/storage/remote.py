@@ -28,6 +28,8 @@ obstore's I/O runtime does not survive ``fork()`` once it has run, so a process 
 its parent used object storage gets a clear :class:`RemoteError` instead of a hang (only use
 through this module is tracked): such workers must be started with the ``spawn`` or
 ``forkserver`` multiprocessing context, or the parent must not touch the store before forking.
+:func:`runtime_started` tells which; a remote pack's opening process avoids it by sending its
+requests to a forked helper (:mod:`.remote_agent`).
 """
 
 from __future__ import annotations
