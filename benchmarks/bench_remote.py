@@ -808,9 +808,9 @@ def report(res: dict, failures: dict, hangs: set, writes: dict, objects: dict, *
     if any(name in failures and "no room" in " ".join(failures[name]) for name, _, _ in BLOCK_RUNS) or any(
             "no room" in " ".join(failures.get(f"{name} cold", [])) for name, _, _ in BLOCK_RUNS):
         notes.append(
-            f"A cache limit under what the readers pin fails with the cache's CacheError (above), which names "
-            f"the minimum size: the shards of the batches in flight (two windows at a boundary) plus one "
-            f"download per worker."
+            "A cache limit under what the readers pin fails with the cache's CacheError (above), which names "
+            "the minimum size: the shards of the batches in flight (two windows at a boundary) plus one "
+            "download per worker."
         )
     notes.append(
         "What each library decodes: all three read the same JPEG bytes (fastload's jpeg@256 payload: 256 px short "

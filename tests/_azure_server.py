@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import atexit
 import base64
-import contextlib
 import hashlib
 import hmac
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,7 +28,7 @@ from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
-from _s3_server import _die_with_parent
+from _s3_server import _die_with_parent, free_port, stop_group
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's published development key (not a secret: it is in Microsoft's documentation).
@@ -50,11 +47,6 @@ def find_azurite() -> str | None:
         return str(local)
     return shutil.which("azurite-blob")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AzureServer:
@@ -84,7 +76,7 @@ class AzureServer:
     def start(self) -> AzureServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.port = _free_port()
+        self.port = free_port()
         self._log = open(self.log_path, "ab")
         cmd = [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
                "--location", str(self.data_dir / "data"), "--skipApiVersionCheck", "--loose",
@@ -107,15 +99,7 @@ class AzureServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -23,14 +23,11 @@ errors are tested against the server as it is, and writes go through ``upload_st
 from __future__ import annotations
 
 import atexit
-import contextlib
 import http.client
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from _s3_server import _die_with_parent
+from _s3_server import _die_with_parent, free_port, stop_group
 
 # Request headers the bridge does not turn into JSON-API parameters: refusing beats ignoring.
 _UNEMULATED = ("x-goog-copy-source", "x-goog-if-generation-match", "x-goog-if-metageneration-match")
@@ -67,11 +64,6 @@ def find_fake_gcs() -> str | None:
         f"fake-gcs-server-{platform.system().lower()}-{arch}{suffix}"
     return str(candidate) if arch and candidate.is_file() and os.access(candidate, os.X_OK) else None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _service_account(base_url: str) -> dict[str, Any]:
@@ -130,7 +122,7 @@ class GCSServer:
     def start(self) -> GCSServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.port = _free_port()
+        self.port = free_port()
         host = f"127.0.0.1:{self.port}"
         self._log = open(self.log_path, "ab")
         # -public-host: path-style XML requests (GET /bucket/object) are routed by this Host.
@@ -161,15 +153,7 @@ class GCSServer:
         if bridge is not None:
             bridge.stop()
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc)
         if self._log is not None:
             self._log.close()
             self._log = None

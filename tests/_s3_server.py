@@ -109,6 +109,28 @@ def _die_with_parent(parent: int):
     return preexec
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
+    SIGKILL it if it lingers past ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
+
+
 class S3Server:
     """``weed mini`` serving S3 on 127.0.0.1 with one access key; start/stop/restart it.
 
@@ -225,15 +247,7 @@ class S3Server:
     def stop(self, *, timeout: float = 10.0) -> None:
         """SIGTERM the server's process group, SIGKILL it if it lingers past ``timeout``."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout)
+        stop_group(proc, timeout)
         self._close_log()
         # weed puts its gRPC unix sockets in the temp dir, named by port; ours are dead now.
         for port in self.ports.values():

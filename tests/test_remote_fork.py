@@ -7,8 +7,6 @@ the store (uploads) and must spawn."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
