@@ -34,14 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_helpers import make_pack  # noqa: E402
 from _pack_helpers import gradient, make_jpeg_tree  # noqa: E402
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_DALI = False
-
-needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed (pip install nvidia-dali-cuda120)")
+from _dali_helpers import needs_dali
 
 HW = (40, 56)
 N = 18  # 3 classes x 6 images, all HW

@@ -15,14 +15,7 @@ from fastload.config import PackConfig
 from fastload.data.sampler import epoch_indices
 from fastload.gpu.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_DALI = False
-
-needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed (pip install nvidia-dali-cuda120)")
+from _dali_helpers import needs_dali
 
 MEAN = np.asarray(IMAGENET_MEAN).reshape(1, 3, 1, 1)
 STD = np.asarray(IMAGENET_STD).reshape(1, 3, 1, 1)

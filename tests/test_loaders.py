@@ -15,12 +15,7 @@ from fastload.data.sampler import epoch_indices
 from fastload.gpu.transforms import IMAGENET_MEAN, IMAGENET_STD
 from fastload.loaders import Backend, make_loader
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover
-    HAVE_DALI = False
+from _dali_helpers import HAVE_DALI
 
 BACKENDS = [
     "cpu",

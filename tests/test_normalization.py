@@ -29,14 +29,7 @@ from fastload.loaders import make_loader
 from fastload.normalization import IMAGENET, SCALE_ONLY, Normalization, as_normalization, scale_shift
 from fastload.transforms import Normalize
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_DALI = False
-
-needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed (pip install nvidia-dali-cuda120)")
+from _dali_helpers import needs_dali
 
 IMAGENET_255 = ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))  # the same statistics in 0-255 units
 SIZE = 24  # stored (square) image size of the raw pack; DALI crops exactly this, so no resampling

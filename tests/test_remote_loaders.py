@@ -30,14 +30,7 @@ from fastload.storage import open_pack
 
 from _data_helpers import collect
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_DALI = False
-
-needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed (pip install nvidia-dali-cuda120)")
+from _dali_helpers import needs_dali
 BACKENDS = ["cpu", pytest.param("dali", marks=needs_dali)]
 N = 18  # samples (= classes) in each pack
 CFG = {

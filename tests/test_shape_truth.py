@@ -37,14 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_helpers import make_pack  # noqa: E402
 from _pack_helpers import run_cli  # noqa: E402
 
-try:
-    import nvidia.dali  # noqa: F401
-
-    HAVE_DALI = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAVE_DALI = False
-
-needs_dali = pytest.mark.skipif(not HAVE_DALI, reason="nvidia.dali is not installed (pip install nvidia-dali-cuda120)")
+from _dali_helpers import needs_dali
 
 H, W = 50, 30  # as coded: taller than wide, so a quarter turn shows in the shape
 RRC = (RandomResizedCrop(16, scale=(0.3, 1.0)), RandomHorizontalFlip())
