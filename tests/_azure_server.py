@@ -13,22 +13,18 @@ stopped at exit; its telemetry is off (this machine has no outside network).
 
 from __future__ import annotations
 
-import atexit
 import base64
 import hashlib
 import hmac
 import os
 import shutil
-import subprocess
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
-from _s3_server import _die_with_parent, free_port, stop_group
+from _server_process import Emulator, free_port
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's published development key (not a secret: it is in Microsoft's documentation).
@@ -49,20 +45,14 @@ def find_azurite() -> str | None:
 
 
 
-class AzureServer:
+class AzureServer(Emulator):
     """``azurite-blob`` on 127.0.0.1; ``create_container`` gives an ``az://`` URL."""
 
     def __init__(self, *, binary: str | None = None, startup_timeout: float = 60.0):
-        self.binary = binary or find_azurite()
-        if self.binary is None:
+        binary = binary or find_azurite()
+        if binary is None:
             raise FileNotFoundError("Azurite not found: bash tools/install.sh --test installs it (needs npm)")
-        self.data_dir = Path(tempfile.mkdtemp(prefix="fl-azurite-"))
-        self.log_path = self.data_dir / "azurite.log"
-        self.startup_timeout = startup_timeout
-        self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-        atexit.register(self.close)
+        super().__init__(binary, "azurite", startup_timeout)
 
     @property
     def endpoint(self) -> str:
@@ -74,40 +64,14 @@ class AzureServer:
         return {"account_name": ACCOUNT, "access_key": ACCOUNT_KEY, "endpoint": self.endpoint, "allow_http": True}
 
     def start(self) -> AzureServer:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running:
             return self
         self.port = free_port()
-        self._log = open(self.log_path, "ab")
-        cmd = [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
-               "--location", str(self.data_dir / "data"), "--skipApiVersionCheck", "--loose",
-               "--disableTelemetry", "--silent"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"azurite exited with code {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(self.endpoint + "?comp=list", timeout=1).close()
-                return self
-            except urllib.error.HTTPError:  # 403 for an unsigned request: it is up
-                return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"azurite did not answer at {self.endpoint} within {self.startup_timeout:.0f} s")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        stop_group(proc)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def close(self) -> None:
-        self.stop()
-        atexit.unregister(self.close)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self._launch([self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+                      "--location", str(self.data_dir / "data"), "--skipApiVersionCheck", "--loose",
+                      "--disableTelemetry", "--silent"],
+                     self.endpoint + "?comp=list")  # 403 for an unsigned request: it is up
+        return self
 
     def create_container(self, name: str) -> str:
         """Create container ``name`` (a SharedKey-signed Create Container call; obstore has

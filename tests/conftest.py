@@ -59,6 +59,19 @@ def s3_server():
         server.close()
 
 
+@pytest.fixture(scope="session")
+def local_pack(sample_tree, tmp_path_factory):
+    """The sample tree packed locally as the object-storage tests upload it: their reference."""
+    from fastload.config import PackConfig
+    from fastload.pack import pack
+
+    from _remote_helpers import CFG
+
+    dest = tmp_path_factory.mktemp("remote_local") / "pack"
+    pack(sample_tree, dest, config=PackConfig(**CFG))
+    return dest
+
+
 _bucket_count = 0
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from _data_helpers import make_pack
+from _pack_helpers import synthetic_lmdb_pack
 from fastload.commands.inspect import describe, shape_range_of
 from fastload.data.dataset import ImageFolder
 from fastload.schema import manifest_checksum
@@ -223,30 +224,6 @@ def test_inspect_lists_a_few_skipped_inputs_unless_asked_for_all(tmp_path):
     assert {s["path"] for s in full["skipped"]} == {f"c0/zero{k}.png" for k in range(8)}
 
 
-def _synth_pack(dest: Path, n: int) -> Path:
-    """A valid one-shard LMDB pack of ``n`` records of one tiny JPEG, written through the storage
-    writer and the index/manifest code the packer uses (no source files: fast at any ``n``)."""
-    from fastload.codecs import jpeg
-    from fastload.schema import Manifest, ShardEntry, manifest_name, shard_name, write_manifest
-    from fastload.storage import make_shard_writer
-    from fastload.storage.index_file import index_name, write_index_file
-
-    pack_id = "0123456789abcdef0123456789abcdef"
-    dest.mkdir(parents=True)
-    data = jpeg.encode(np.full((8, 8, 3), 99, np.uint8), quality=80)
-    writer = make_shard_writer("lmdb", dest / shard_name("lmdb", 0, 1, 0), shard_size=1 << 40, pack_id=pack_id)
-    for i in range(n):
-        writer.append(data, label=i % 10, shape=(8, 8, 3), path=f"c{i % 10}/image_{i:09d}.jpg")
-    entry = writer.finish()
-    size, digest = write_index_file(dest / index_name(""), writer.index(), pack_id=pack_id)
-    write_manifest(dest / manifest_name(0, 1), Manifest(
-        backend="lmdb", payload="jpeg", num_samples=n, classes=tuple(f"c{k}" for k in range(10)), shards=(entry,),
-        image_shape=(8, 8, 3), source_count=n, source="/synthetic", pack_id=pack_id,
-        index=ShardEntry(file=index_name(""), num_samples=n, bytes=size, sha256=digest),
-    ))
-    return dest
-
-
 _UNPICKLE_AND_TOUCH = r"""
 import pickle, sys
 import numpy as np
@@ -275,7 +252,7 @@ def test_a_spawned_process_adds_no_private_memory_per_record(tmp_path):
 
     grew = {}
     for n in (1000, 200_000):
-        ds = ImageFolder(_synth_pack(tmp_path / f"p{n}", n))
+        ds = ImageFolder(synthetic_lmdb_pack(tmp_path / f"p{n}", n))
         blob = tmp_path / f"ds{n}.pickle"
         blob.write_bytes(pickle.dumps(ds))
         script = tmp_path / "probe.py"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from _data_helpers import make_pack
-from _pack_helpers import make_jpeg_tree, tree_bytes
+from _pack_helpers import make_jpeg_tree, synthetic_lmdb_pack, tree_bytes
 from fastload.config import PackConfig
 from fastload.errors import FormatError
 from fastload.pack import pack
@@ -202,32 +202,6 @@ def test_packs_are_byte_identical_for_any_worker_count_and_on_resume(tmp_path):
     assert tree_bytes(tmp_path / "resumed") == outs[0]
 
 
-def _synth_lmdb_pack(dest: Path, n: int) -> Path:
-    """A one-shard LMDB pack of ``n`` records of one tiny JPEG with record locations, written by
-    the storage writer and the index/manifest code the packer uses (fast at any ``n``)."""
-    from fastload.codecs import jpeg
-    from fastload.schema import Manifest, ShardEntry, manifest_name, shard_name, write_manifest
-    from fastload.storage import make_shard_writer
-    from fastload.storage.index_file import index_name
-
-    pack_id = "0123456789abcdef0123456789abcdef"
-    dest.mkdir(parents=True)
-    data = jpeg.encode(np.full((8, 8, 3), 99, np.uint8), quality=80)
-    shard = dest / shard_name("lmdb", 0, 1, 0)
-    writer = make_shard_writer("lmdb", shard, shard_size=1 << 40, pack_id=pack_id)
-    for i in range(n):
-        writer.append(data, label=i % 10, shape=(8, 8, 3), path=f"c{i % 10}/image_{i:09d}.jpg")
-    entry = writer.finish()
-    index = lmdb_backend.with_record_locations(writer.index(), [(shard, n)])
-    size, digest = write_index_file(dest / index_name(""), index, pack_id=pack_id)
-    write_manifest(dest / manifest_name(0, 1), Manifest(
-        backend="lmdb", payload="jpeg", num_samples=n, classes=tuple(f"c{k}" for k in range(10)), shards=(entry,),
-        image_shape=(8, 8, 3), source_count=n, source="/synthetic", pack_id=pack_id,
-        index=ShardEntry(file=index_name(""), num_samples=n, bytes=size, sha256=digest),
-    ))
-    return dest
-
-
 _READ_ALL_ANON = r"""
 import sys
 from fastload.storage import open_pack
@@ -252,7 +226,7 @@ def test_reading_every_record_adds_no_private_memory_per_record(tmp_path):
     grew = {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     for n in (1000, 300_000):
-        p = _synth_lmdb_pack(tmp_path / f"p{n}", n)
+        p = synthetic_lmdb_pack(tmp_path / f"p{n}", n)
         out = subprocess.run([sys.executable, "-c", _READ_ALL_ANON, str(p)], capture_output=True, text=True,
                              env=env, timeout=240)
         assert out.returncode == 0, out.stderr[-2000:]

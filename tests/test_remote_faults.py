@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastload.transforms as T
 from fastload.config import PackConfig
 from fastload.data.dataset import ImageFolder
 from fastload.data.loader import DataLoader
@@ -25,8 +24,7 @@ from fastload.pack import pack
 
 from _data_helpers import collect
 
-AUG = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()])
-CFG = dict(payload="jpeg", resize=64, workers=1, progress=False, shard_size=6000)
+from _remote_helpers import AUG, CFG
 
 
 @pytest.fixture

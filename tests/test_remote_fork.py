@@ -16,14 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fastload.transforms as T
 from fastload.config import PackConfig
 from fastload.data.dataset import ImageFolder
 from fastload.data.loader import DataLoader
 from fastload.pack import pack
 
-AUG = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()])
-CFG = dict(payload="jpeg", resize=64, workers=1, progress=False, shard_size=6000)
+from _remote_helpers import AUG, CFG
 
 # The script's common part: open the pack named on the command line, a loader with 2 workers.
 _PRELUDE = textwrap.dedent("""
@@ -53,16 +51,13 @@ _PRELUDE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def remote(sample_tree, s3_server, tmp_path_factory) -> dict:
-    """The sample tree in a bucket (uploaded by this process) and a local pack of the same."""
-    base = tmp_path_factory.mktemp("remote_fork")
+def remote(sample_tree, local_pack, s3_server, tmp_path_factory) -> dict:
+    """The sample tree in a bucket (uploaded by this process) and the local pack of the same."""
     url = s3_server.create_bucket("fork-path") + "/train"
-    pack(sample_tree, url, config=PackConfig(**CFG), staging=base / "staging",
+    pack(sample_tree, url, config=PackConfig(**CFG), staging=tmp_path_factory.mktemp("remote_fork") / "staging",
          endpoint_url=s3_server.endpoint_url, storage_options=s3_server.storage_options)
-    local = base / "local"
-    pack(sample_tree, local, config=PackConfig(**CFG))
     return {"url": url, "endpoint_url": s3_server.endpoint_url, "storage_options": s3_server.storage_options,
-            "local": str(local)}
+            "local": str(local_pack)}
 
 
 def _run(script: str, remote: dict, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -136,7 +131,7 @@ def test_the_helper_ends_with_its_parent_even_after_kill_9(remote, tmp_path):
     path.write_text(_PRELUDE + textwrap.dedent("""
         import time
         ds = open_ds("cache")
-        print(" ".join(str(p.pid) for p in remote_agent._agent[1]._processes.values()), flush=True)
+        print(" ".join(map(str, remote_agent.pids())), flush=True)
         time.sleep(120)
     """))
     proc = subprocess.Popen([sys.executable, str(path), json.dumps(remote)], stdout=subprocess.PIPE, text=True,
@@ -162,10 +157,10 @@ def test_a_killed_helper_is_replaced_and_reading_goes_on(remote, tmp_path):
         import signal
         ds = open_ds("cache")
         loader = DataLoader(ds, 5, num_workers=2, seed=3, pin_memory=False)
-        first = [p.pid for p in remote_agent._agent[1]._processes.values()]
+        first = remote_agent.pids()
         os.kill(first[0], signal.SIGKILL)
         x1, y1 = epoch(loader, 1)
-        second = [p.pid for p in remote_agent._agent[1]._processes.values()]
+        second = remote_agent.pids()
         other = open_ds("cache3")  # the manifest fetch of a new pack goes through the new helper
         np.savez("after_kill.npz", x=x1, y=y1)
         print(json.dumps({"first": first, "second": second, "len": len(other), "runtime": runtime_started()}))

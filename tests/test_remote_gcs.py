@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import fastload.transforms as T
 from fastload.config import PackConfig
 from fastload.data.dataset import ImageFolder
 from fastload.data.loader import DataLoader
@@ -27,8 +25,7 @@ from fastload.storage.remote import RemoteNotFoundError, RemoteStore
 
 from _data_helpers import collect
 
-AUG = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()])
-CFG = dict(payload="jpeg", resize=64, workers=1, progress=False, shard_size=6000)
+from _remote_helpers import AUG, CFG
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +50,6 @@ def gs_pack(gcs, sample_tree, tmp_path_factory) -> str:
     pack(sample_tree, url, config=PackConfig(**CFG), staging=staging, storage_options=gcs.upload_storage_options)
     return url
 
-
-@pytest.fixture(scope="module")
-def local_pack(sample_tree, tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("gs_local") / "pack"
-    pack(sample_tree, dest, config=PackConfig(**CFG))
-    return dest
 
 
 @pytest.mark.timeout(120)

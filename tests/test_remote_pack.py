@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import fastload.transforms as T
 from fastload.config import PackConfig
 from fastload.data.dataset import ImageFolder
 from fastload.data.loader import DataLoader
@@ -24,15 +22,8 @@ from fastload.storage import open_pack
 
 from _data_helpers import collect
 
-AUG = T.Compose([T.RandomResizedCrop((24, 32)), T.RandomHorizontalFlip()])
-CFG = dict(payload="jpeg", resize=64, workers=1, progress=False, shard_size=6000)
+from _remote_helpers import AUG, CFG
 
-
-@pytest.fixture(scope="module")
-def local_pack(sample_tree, tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("remote_local") / "pack"
-    pack(sample_tree, dest, config=PackConfig(**CFG))
-    return dest
 
 
 def _remote(s3_server, tmp_path, **kw) -> dict:

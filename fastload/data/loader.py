@@ -399,8 +399,7 @@ class DataLoader:
         self.on_error = OnRecordError(on_error).value
         self.collate_fn = collate_fn
         self._context = multiprocessing_context
-        if self.num_workers and self.multiprocessing_context in ("spawn", "forkserver"):
-            check_main_guard("fastload.DataLoader")  # a spawned worker re-runs the main script
+        self._check_main_guard()
         self._hint = dataset.prefetch if isinstance(dataset, Prefetching) else None
         if isinstance(dataset, Prefetching):  # before the workers copy the dataset
             dataset.hold_at_most(self.plan.open_shards)
@@ -523,11 +522,16 @@ class DataLoader:
         itself), else fork on Linux. Asked again whenever workers start."""
         return self._context or getattr(self.dataset, "worker_start_method", None)
 
+    def _check_main_guard(self) -> None:
+        """A spawned worker re-runs the main script: refuse one without a main guard (checked
+        when the loader is made and again when workers start, as the method may change)."""
+        if self.num_workers and self.multiprocessing_context in ("spawn", "forkserver"):
+            check_main_guard("fastload.DataLoader")
+
     def _workers(self) -> Workers:
         workers = self._state.get("workers")
         if workers is None:
-            if self.multiprocessing_context in ("spawn", "forkserver"):
-                check_main_guard("fastload.DataLoader")
+            self._check_main_guard()
             self._on_terminate()
             dirs = [d for d in (self.ring_dir or default_ring_base(), "/dev/shm") if d]
             workers = Workers(self.dataset, self.num_workers, (self.batch_size, *self._image_shape),
@@ -800,8 +804,7 @@ class DataLoader:
         if loader is not None:
             return loader
         if self.num_workers > 0:
-            if self.multiprocessing_context in ("spawn", "forkserver"):
-                check_main_guard("fastload.DataLoader")
+            self._check_main_guard()
             self._on_terminate()
         import torch
         from torch.utils.data import DataLoader as TorchDataLoader

@@ -24,6 +24,7 @@ import multiprocessing.util as mp_util
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 from .remote import RemoteError, runtime_started
 
-__all__ = ["call", "keep", "post", "shutdown", "started", "usable"]
+__all__ = ["call", "keep", "pids", "post", "shutdown", "started", "usable"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,8 +55,6 @@ def started() -> bool:
 
 
 def _watch_parent(parent: int) -> None:
-    import time
-
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(0)  # the parent is gone: downloads for it are useless
@@ -88,8 +87,18 @@ def _drop(ex: ProcessPoolExecutor) -> None:
     _kill(ex)
 
 
+def _processes(ex: ProcessPoolExecutor) -> list:
+    return list((getattr(ex, "_processes", None) or {}).values())
+
+
+def pids() -> list[int]:
+    """Process ids of this process's agent (none if it has none)."""
+    agent = _agent
+    return [p.pid for p in _processes(agent[1])] if agent is not None and agent[0] == os.getpid() else []
+
+
 def _kill(ex: ProcessPoolExecutor) -> None:
-    procs = list((getattr(ex, "_processes", None) or {}).values())
+    procs = _processes(ex)
     ex.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         if p.is_alive():

@@ -190,16 +190,21 @@ class RemotePack:
         self.cache.close()
 
 
+def _in_agent(pack: RemotePack) -> RemotePack:
+    """The agent's copy of ``pack``: one per pack, so its client and cache persist across calls."""
+    return remote_agent.keep(pack._token, lambda: pack)
+
+
 def _agent_fetch_meta(pack: RemotePack) -> Path:
-    return remote_agent.keep(pack._token, lambda: pack)._fetch_meta()
+    return _in_agent(pack)._fetch_meta()
 
 
 def _agent_prefetch(pack: RemotePack, entries: list[ShardEntry], max_workers: int) -> None:
-    remote_agent.keep(pack._token, lambda: pack).prefetch(entries, max_workers=max_workers)
+    _in_agent(pack).prefetch(entries, max_workers=max_workers)
 
 
 def _agent_stats(pack: RemotePack) -> CacheStats:
-    return remote_agent.keep(pack._token, lambda: pack).cache.stats()
+    return _in_agent(pack).cache.stats()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
